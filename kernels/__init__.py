@@ -1,0 +1,1 @@
+"""Numeric kernels (NVFP4, sampling), each with a plain-PyTorch reference."""

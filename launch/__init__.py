@@ -1,0 +1,1 @@
+"""Command line, MPI bootstrap of torch.distributed, rank roles and shutdown."""

@@ -1,0 +1,146 @@
+"""Peer liveness: a heartbeat on its own gloo group, independent of what the main thread does.
+
+Rank 0 pings every other rank each interval and each answers; a peer that dies (its socket
+closes) or goes silent for the timeout (a cable pulled, a host frozen) ends this process at
+once with a message naming it. The main thread can be blocked inside a collective that will
+never finish, so the heartbeat ends the process itself rather than raising.
+
+Stopping is coordinated, so shutdown never looks like a failure: a rank that stops answers
+its next ping with STOP; when rank 0 stops it sends STOP to all and waits for the answers.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import sys
+import threading
+from typing import NoReturn
+
+from hetero_run.launch.log import get_logger
+
+log = get_logger(__name__)
+
+ALIVE, STOP = 0, 1
+
+
+def exit_now(message: str, code: int = 3) -> NoReturn:
+    """Log `message` and end the process without unwinding (peers may be unreachable)."""
+    try:
+        log.error(message)
+        for handler in log.parent.handlers if log.parent else ():
+            handler.flush()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
+
+
+class Heartbeat:
+    def __init__(self, group, rank: int, world_size: int, peers, interval_s: float, timeout_s: float):
+        self.group = group
+        self.rank = rank
+        self.world_size = world_size
+        self.peers = peers
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self._stop = threading.Event()
+        self._departed: set[int] = set()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.interval_s + self.timeout_s + 1.0)
+
+    def departed(self) -> set[int]:
+        """Ranks that stopped their heartbeat while this one was still running."""
+        return set(self._departed)
+
+    def _run(self) -> None:
+        import torch
+
+        self._torch = torch
+        try:
+            if self.rank == 0:
+                self._lead()
+            else:
+                self._follow()
+        except _PeerLost as lost:
+            if self._stop.is_set():
+                log.debug("heartbeat during shutdown: %s", lost)
+                return
+            exit_now(f"{self.peers[lost.rank]} {lost.reason}; ending the job")
+
+    def _send(self, seq: int, flag: int, dst: int) -> None:
+        import torch.distributed as tdist
+
+        try:
+            tdist.send(self._torch.tensor([seq, flag], dtype=self._torch.int64), dst, group=self.group)
+        except RuntimeError as exc:
+            raise _PeerLost(dst, f"is unreachable ({short_reason(exc)})") from None
+
+    def _recv(self, src: int, timeout_s: float) -> tuple[int, int]:
+        import torch.distributed as tdist
+
+        msg = self._torch.zeros(2, dtype=self._torch.int64)
+        try:
+            work = tdist.irecv(msg, src, group=self.group)
+            work.wait(datetime.timedelta(seconds=timeout_s))
+        except RuntimeError as exc:
+            text = short_reason(exc)
+            if "imed out" in text or "timeout" in text.lower():
+                raise _PeerLost(src, f"sent no heartbeat for {timeout_s:g} s") from None
+            raise _PeerLost(src, f"is gone (connection lost: {text})") from None
+        return int(msg[0]), int(msg[1])
+
+    def _lead(self) -> None:
+        active = set(range(1, self.world_size))
+        seq = 0
+        while active:
+            stopping = self._stop.wait(self.interval_s)
+            seq += 1
+            flag = STOP if stopping else ALIVE
+            for r in sorted(active):
+                self._send(seq, flag, r)
+            for r in sorted(active):
+                _, answer = self._recv(r, self.timeout_s)
+                if answer == STOP:
+                    active.discard(r)
+                    if not stopping:
+                        self._departed.add(r)
+            if stopping:
+                return
+
+    def _follow(self) -> None:
+        while True:
+            seq, flag = self._recv(0, self.interval_s + self.timeout_s)
+            answer = STOP if (flag == STOP or self._stop.is_set()) else ALIVE
+            if flag == STOP and not self._stop.is_set():
+                self._departed.add(0)
+            self._send(seq, answer, 0)
+            if answer == STOP:
+                return
+
+
+class _PeerLost(Exception):
+    def __init__(self, rank: int, reason: str):
+        self.rank = rank
+        self.reason = reason
+        super().__init__(f"rank {rank} {reason}")
+
+
+def short_reason(exc: BaseException) -> str:
+    """The useful part of a transport error.
+
+    "[/.../gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:47283: Connection reset by
+    peer. This is typically caused by ..." -> "Read error [127.0.0.1]:47283: Connection reset by peer"
+    """
+    text = str(exc).strip()
+    if not text:
+        return type(exc).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", text.splitlines()[0])
+    return text.split(". This is typically")[0].rstrip(".")[:300]

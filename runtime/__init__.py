@@ -1,0 +1,1 @@
+"""Target models, checkpoints, drafters, speculative decoding and the round driver."""

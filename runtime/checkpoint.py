@@ -1,0 +1,209 @@
+"""Hugging Face safetensors checkpoints: index, quantisation config, per-rank sliced reads.
+
+A checkpoint is a directory with `config.json` and either `model.safetensors` or
+`model.safetensors.index.json` plus its shards. Only headers are read on open; tensors are
+read on demand, and `read(..., dim=, part=)` reads just one rank's slice through safetensors'
+`get_slice`, so a rank of a TP=2 job reads about half the bytes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from hetero_run.topology.errors import UserError
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class CheckpointError(UserError):
+    """A checkpoint file is missing, unreadable or does not hold what the model needs."""
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Pre-quantised weights as NVIDIA ModelOpt exports them (`hf_quant_config.json`)."""
+
+    algo: str  # "NVFP4"
+    group_size: int
+    exclude_modules: tuple[str, ...] = ()
+    kv_cache_algo: str | None = None
+    source: str = ""  # the file it was read from, for error messages
+
+    def quantizes(self, module: str) -> bool:
+        """Whether `module` (e.g. "model.layers.0.mlp.gate") holds quantised weights."""
+        return not any(fnmatch.fnmatchcase(module, pattern) for pattern in self.exclude_modules)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    file: Path
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    config: dict
+    quant: QuantConfig | None
+    tensors: dict[str, TensorMeta]
+    bytes_read: int = 0
+    _handles: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def open(cls, path: str | Path) -> Checkpoint:
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError("not a checkpoint directory", file=path)
+        config = _read_json(path / "config.json")
+        return cls(path, config, read_quant_config(path, config), _index(path))
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def meta(self, name: str) -> TensorMeta:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise CheckpointError(f"tensor {name!r} is missing", file=self.path) from None
+
+    def read(self, name: str, dim: int | None = None, part: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name`, or with `dim` and `part=(index, count)` only slice `index` of `count`
+        equal slices along `dim` (the shape there must divide by `count`)."""
+        meta = self.meta(name)
+        handle = self._handle(meta.file)
+        try:
+            if dim is None or part is None or part[1] == 1:
+                out = handle.get_tensor(name)
+            else:
+                index, count = part
+                size = meta.shape[dim]
+                if size % count:
+                    raise CheckpointError(
+                        f"tensor {name!r} dimension {dim} has size {size}, not divisible into {count} parts",
+                        file=meta.file,
+                    )
+                step = size // count
+                key = [slice(None)] * len(meta.shape)
+                key[dim] = slice(index * step, (index + 1) * step)
+                out = handle.get_slice(name)[tuple(key)]
+        except SafetensorError as exc:
+            raise CheckpointError(f"cannot read tensor {name!r}: {exc}", file=meta.file) from None
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def _handle(self, file: Path):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="pt")
+            except (SafetensorError, OSError) as exc:
+                raise CheckpointError(f"cannot open safetensors file: {exc}", file=file) from None
+        return self._handles[file]
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError("file is missing", file=path)
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"invalid JSON: {exc.msg}", file=path, line=exc.lineno) from None
+
+
+def read_quant_config(path: Path, config: dict) -> QuantConfig | None:
+    """From `hf_quant_config.json`, else `config.json["quantization_config"]`; None if neither."""
+    hf_file = path / "hf_quant_config.json"
+    if hf_file.is_file():
+        source, section = hf_file, _read_json(hf_file).get("quantization", {})
+    elif "quantization_config" in config:
+        source, section = path / "config.json", config["quantization_config"]
+    else:
+        return None
+    algo = section.get("quant_algo")
+    if algo is None:
+        raise CheckpointError("no quant_algo given", file=source, field="quant_algo")
+    return QuantConfig(
+        algo=str(algo),
+        group_size=int(section.get("group_size", 16)),
+        exclude_modules=tuple(section.get("exclude_modules") or section.get("ignore") or ()),
+        kv_cache_algo=section.get("kv_cache_quant_algo"),
+        source=str(source),
+    )
+
+
+def _index(path: Path) -> dict[str, TensorMeta]:
+    index_file = path / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = _read_json(index_file).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError("no weight_map", file=index_file, field="weight_map")
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not (path / name).is_file():
+                tensor = next(t for t, f in weight_map.items() if f == name)
+                raise CheckpointError(f"shard {name} (holding {tensor!r} and others) is missing",
+                                      file=index_file)
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError("no model.safetensors or model.safetensors.index.json", file=path)
+    tensors: dict[str, TensorMeta] = {}
+    for name in files:
+        file = path / name
+        for tensor, (dtype, shape) in _header(file).items():
+            tensors[tensor] = TensorMeta(tensor, dtype, shape, file)
+    return tensors
+
+
+def _header(file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """Names, dtypes and shapes from a safetensors header, validated against the file size."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) < 8:
+            raise CheckpointError("truncated: no safetensors header", file=file)
+        n = int.from_bytes(raw_len, "little")
+        if n > size - 8:
+            raise CheckpointError(f"corrupted: header length {n} exceeds the file size {size}", file=file)
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise CheckpointError("corrupted: safetensors header is not valid JSON", file=file) from None
+    out = {}
+    data_size = size - 8 - n
+    for tensor, entry in header.items():
+        if tensor == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        if dtype is None:
+            raise CheckpointError(f"tensor {tensor!r} has unsupported dtype {entry.get('dtype')!r}", file=file)
+        begin, end = entry["data_offsets"]
+        if end > data_size:
+            raise CheckpointError(
+                f"truncated: tensor {tensor!r} ends at byte {end} of a {data_size}-byte data section", file=file
+            )
+        out[tensor] = (dtype, tuple(entry["shape"]))
+    return out

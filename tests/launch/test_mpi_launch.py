@@ -1,0 +1,136 @@
+"""Real `mpirun -np 2` jobs over gloo: bootstrap, doctor, clean exits, peer failures, signals."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from support import env_for_tests, hetero_run_argv, mpirun_argv, rank_pids
+
+pytestmark = pytest.mark.mpi
+
+
+def test_doctor_two_ranks_json(run_cli):
+    out = run_cli("doctor", "--json", "--iters", "10", np=2)
+    assert out.returncode == 0, out.output
+    report = json.loads(out.stdout)
+    assert report["world_size"] == 2 and report["backend"] == "gloo"
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    assert len({r["pid"] for r in report["ranks"]}) == 2
+    link = report["link"]
+    for name in ("broadcast_latency", "all_reduce_latency", "broadcast_bandwidth", "all_reduce_bandwidth"):
+        assert link[name]["median_us"] > 0 and link[name]["bus_gbps"] > 0, name
+    assert link["all_reduce_latency"]["bytes"] == 8192
+    assert link["all_reduce_bandwidth"]["bytes"] == 64 << 20
+
+
+def test_doctor_table_on_rank_0_only(run_cli):
+    out = run_cli("doctor", "--iters", "5", "--bandwidth-bytes", "1048576", np=2)
+    assert out.returncode == 0, out.output
+    assert out.stdout.count("hetero-run doctor: 2 rank(s)") == 1
+    assert "all reduce latency" in out.stdout
+    assert "[rank 1]" not in out.stderr  # rank 1 is quiet unless --verbose
+
+
+def test_verbose_shows_every_rank_and_log_dir_has_one_file_per_rank(run_cli, tmp_path):
+    out = run_cli("doctor", "--iters", "3", "--bandwidth-bytes", "65536", "-v", "--log-dir", tmp_path, np=2)
+    assert out.returncode == 0, out.output
+    assert "[rank 0]" in out.stderr and "[rank 1]" in out.stderr
+    for rank in (0, 1):
+        text = (tmp_path / f"rank{rank}.log").read_text()
+        assert f"[rank {rank}]" in text and "shut down cleanly" in text
+
+
+def test_twenty_consecutive_runs_exit_cleanly(run_cli):
+    for i in range(20):
+        out = run_cli("doctor", "--json", "--iters", "3", "--bandwidth-bytes", "65536", np=2, timeout=120)
+        assert out.returncode == 0, f"run {i}: {out.output}"
+        assert "abort" not in out.output.lower() and "terminate called" not in out.output, out.output
+
+
+def _wait_for_ranks(proc, timeout=60.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if rank_pids(proc.pid, 0) and rank_pids(proc.pid, 1):
+            return
+        time.sleep(0.2)
+    raise AssertionError("ranks did not start")
+
+
+@pytest.mark.parametrize("mpirun_flags", [(), ("--enable-recovery",)], ids=["default", "enable-recovery"])
+def test_killing_rank_1_ends_rank_0_naming_it(popen_cli, mpirun_flags):
+    proc = popen_cli("doctor", "--duration", "120", "--bandwidth-bytes", "1048576", mpirun_flags=mpirun_flags)
+    _wait_for_ranks(proc)
+    time.sleep(3)  # mid-measurement
+    (victim,) = rank_pids(proc.pid, 1)
+    os.kill(victim, signal.SIGKILL)
+    start = time.monotonic()
+    stdout, stderr = proc.communicate(timeout=90)
+    assert time.monotonic() - start < 60
+    assert proc.returncode != 0
+    assert f"rank 1 (host {os.uname().nodename}, pid {victim}) stopped responding" in stderr, stderr
+    assert "Traceback" not in stderr
+
+
+def test_peer_that_never_arrives_ends_the_job(tmp_path):
+    # Rank 1 never starts hetero-run; rank 0 must give up after --peer-timeout and say why.
+    script = tmp_path / "rank.sh"
+    script.write_text(
+        '#!/bin/sh\nif [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then exec sleep 600; fi\n'
+        f'exec {" ".join(hetero_run_argv())} doctor --peer-timeout 5\n'
+    )
+    script.chmod(0o755)
+    start = time.monotonic()
+    proc = subprocess.run(mpirun_argv(2) + [str(script)], capture_output=True, text=True, timeout=120,
+                          env=env_for_tests())
+    assert time.monotonic() - start < 60
+    assert proc.returncode != 0
+    assert "rank 1 never started" in proc.stderr, proc.stderr
+    assert "within 5 s" in proc.stderr
+
+
+@pytest.mark.parametrize("mpirun_flags", [(), ("--enable-recovery",)], ids=["default", "enable-recovery"])
+def test_sigterm_to_every_rank_tears_down(popen_cli, tmp_path, mpirun_flags):
+    proc = popen_cli("doctor", "--duration", "120", "--bandwidth-bytes", "1048576", "--log-dir", tmp_path,
+                     mpirun_flags=mpirun_flags)
+    _wait_for_ranks(proc)
+    time.sleep(3)
+    for rank in (0, 1):
+        for pid in rank_pids(proc.pid, rank):
+            os.kill(pid, signal.SIGTERM)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM
+    for rank in (0, 1):
+        text = (tmp_path / f"rank{rank}.log").read_text()
+        assert "received SIGTERM" in text and "process group destroyed" in text, text
+        if mpirun_flags:
+            # By default mpirun kills the other ranks once one exits non-zero, so MPI_Finalize
+            # may be cut short; with --enable-recovery every rank completes it.
+            assert "shut down cleanly" in text, text
+
+
+def test_sigint_to_mpirun_stops_every_rank(popen_cli, tmp_path):
+    proc = popen_cli("doctor", "--duration", "120", "--bandwidth-bytes", "1048576", "--log-dir", tmp_path)
+    _wait_for_ranks(proc)
+    time.sleep(3)
+    ranks = rank_pids(proc.pid, 0) + rank_pids(proc.pid, 1)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    end = time.monotonic() + 10
+    while any(_alive(pid) for pid in ranks) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in ranks)
+    for rank in (0, 1):
+        assert "shutting down" in (tmp_path / f"rank{rank}.log").read_text()
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

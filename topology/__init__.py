@@ -1,0 +1,1 @@
+"""Cluster description: hostfiles, YAML topologies, derived launch environment."""
