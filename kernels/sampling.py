@@ -1,0 +1,71 @@
+"""Turning logits into the distribution a sampler draws from, and drawing from it.
+
+The processed distribution is *the* target distribution p of a sampled run: speculative
+verification compares draft tokens against exactly what `logits_to_probs` returns, so
+temperature, top-k and top-p are applied in one place only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hetero_run.topology.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy (argmax)
+    top_p: float = 1.0
+    top_k: int = 0  # 0 means no top-k cut
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ConfigError(f"must be >= 0, got {self.temperature}", field="temperature")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"must be in (0, 1], got {self.top_p}", field="top_p")
+        if self.top_k < 0:
+            raise ConfigError(f"must be >= 0, got {self.top_k}", field="top_k")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> torch.Generator:
+        gen = torch.Generator()
+        gen.manual_seed(self.seed if self.seed is not None else torch.seed())
+        return gen
+
+
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[n, vocab] logits -> [n, vocab] float32 probabilities after temperature, top-k, top-p.
+
+    Greedy params give a one-hot distribution on the argmax, so verifiers can treat greedy
+    as the temperature -> 0 limit of sampling.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass strictly
+        # before it is below top_p. E.g. [0.5, 0.3, 0.2] with top_p 0.7 keeps 0.5 and 0.3.
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """[n, vocab] probabilities -> [n] token ids (argmax when `generator` is None)."""
+    if generator is None:
+        return probs.argmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,51 @@
+import pytest
+import torch
+
+from hetero_run.kernels.sampling import SamplingParams, logits_to_probs, sample
+from hetero_run.topology.errors import ConfigError
+
+
+def test_greedy_is_one_hot_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    probs = logits_to_probs(logits, SamplingParams())
+    assert probs.tolist() == [[0, 1, 0], [1, 0, 0]]
+    assert sample(probs, None).tolist() == [1, 0]
+
+
+def test_temperature_matches_softmax():
+    logits = torch.randn(4, 50)
+    probs = logits_to_probs(logits, SamplingParams(temperature=0.7))
+    torch.testing.assert_close(probs, torch.softmax(logits / 0.7, -1))
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p():
+    probs_in = torch.tensor([[0.5, 0.2, 0.3]])
+    probs = logits_to_probs(probs_in.log(), SamplingParams(temperature=1.0, top_p=0.7))
+    torch.testing.assert_close(probs, torch.tensor([[0.625, 0.0, 0.375]]))
+    # Exactly reaching p keeps no more tokens than needed.
+    probs = logits_to_probs(probs_in.log(), SamplingParams(temperature=1.0, top_p=0.5))
+    torch.testing.assert_close(probs, torch.tensor([[1.0, 0.0, 0.0]]))
+
+
+def test_top_k():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
+    expected = torch.softmax(torch.tensor([3.0, 2.0]), -1)
+    torch.testing.assert_close(probs[0, [1, 2]], expected)
+    assert probs[0, 0] == 0 and probs[0, 3] == 0
+
+
+def test_seeded_sampling_repeats_and_follows_the_distribution():
+    probs = torch.tensor([[0.1, 0.6, 0.3]]).repeat(20000, 1)
+    a = sample(probs, SamplingParams(temperature=1, seed=3).generator())
+    b = sample(probs, SamplingParams(temperature=1, seed=3).generator())
+    assert torch.equal(a, b)
+    freq = torch.bincount(a, minlength=3).float() / len(a)
+    torch.testing.assert_close(freq, torch.tensor([0.1, 0.6, 0.3]), atol=0.015, rtol=0)
+
+
+@pytest.mark.parametrize("kwargs, field", [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
+                                           ({"top_k": -2}, "top_k")])
+def test_bad_params_name_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        SamplingParams(**kwargs)
