@@ -152,6 +152,13 @@ def start(settings: LaunchSettings | None = None) -> Dist:
             MPI.Init_thread(MPI.THREAD_MULTIPLE)
     comm = MPI.COMM_WORLD
     rank, size = comm.Get_rank(), comm.Get_size()
+    if size != int(os.environ.get("OMPI_COMM_WORLD_SIZE", size)):
+        # mpirun exits at once when a rank fails before MPI_Init (with --enable-recovery it
+        # leaves the others running), and MPI_Init then comes up as a one-rank singleton.
+        raise PeerFailure(
+            f"mpirun launched {os.environ['OMPI_COMM_WORLD_SIZE']} ranks but MPI started with {size}: "
+            "mpirun is gone because another rank ended before start-up (its own message says why)"
+        )
     local_rank = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", "0"))
     local_size = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE", "1"))
     _share_cores(local_size)
@@ -214,14 +221,15 @@ def start(settings: LaunchSettings | None = None) -> Dist:
     return dist
 
 
-def stop(dist: Dist, timeout_s: float = 60.0, peer_failed: bool = False) -> None:
+def stop(dist: Dist, timeout_s: float = 60.0, peer_failed: bool = False, aborting: bool = False) -> None:
     """Stop the heartbeat, destroy the process group, finalize MPI; bounded in time.
 
     After a peer failure MPI is not finalized: MPI_Finalize synchronises with every rank and
-    would wait for the dead one.
+    would wait for the dead one. When this rank leaves after an error or signal (`aborting`),
+    its peers may not follow, so MPI_Finalize gets only a short deadline.
     """
     if dist.heartbeat is not None:
-        dist.heartbeat.stop()
+        dist.heartbeat.stop(aborting=aborting or peer_failed)
     if dist.group is not None:
         import torch.distributed as tdist
 
@@ -232,7 +240,8 @@ def stop(dist: Dist, timeout_s: float = 60.0, peer_failed: bool = False) -> None
         log.debug("process group destroyed")
     if dist._mpi is not None and not peer_failed:
         MPI = dist._mpi
-        with Deadline(timeout_s, "MPI shutdown hung (a peer is gone); exiting"):
+        with Deadline(min(timeout_s, 5.0) if aborting else timeout_s,
+                      "MPI shutdown did not complete (a peer is gone or still busy); exiting"):
             if MPI.Is_initialized() and not MPI.Is_finalized():
                 MPI.Finalize()
         dist._mpi = None
@@ -251,13 +260,14 @@ def launched(settings: LaunchSettings | None = None) -> Iterator[Dist]:
     settings = settings or LaunchSettings()
     with unwind_on_signals(grace_s=min(settings.peer_timeout_s, 30.0)):
         dist = start(settings)
-        peer_failed = False
+        peer_failed = aborting = False
         try:
             yield dist
         except RuntimeError as exc:
             if dist.world_size == 1 or not (
                 isinstance(exc, tdist.DistBackendError) or _looks_like_transport_error(exc)
             ):
+                aborting = True
                 raise
             peer_failed = True
             failure = dist.failure(exc)
@@ -265,11 +275,14 @@ def launched(settings: LaunchSettings | None = None) -> Iterator[Dist]:
             log.error("%s; ending the job", failure)
             failure.reported = True
             raise failure from exc
-        except PeerFailure as failure:
+        except PeerFailure:
             peer_failed = True
             raise
+        except BaseException:
+            aborting = True
+            raise
         finally:
-            stop(dist, timeout_s=settings.peer_timeout_s, peer_failed=peer_failed)
+            stop(dist, timeout_s=settings.peer_timeout_s, peer_failed=peer_failed, aborting=aborting)
             sys.stdout.flush()
 
 

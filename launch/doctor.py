@@ -41,16 +41,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hetero_run.launch.bootstrap import LaunchSettings, launched
+    from hetero_run.launch.bootstrap import launched
     from hetero_run.launch.log import console
+    from hetero_run.launch.settings import launch_settings
     from hetero_run.topology.errors import ConfigError
 
     for name in ("latency_bytes", "bandwidth_bytes", "iters"):
         if getattr(args, name) < 1:
             raise ConfigError(f"must be >= 1, got {getattr(args, name)}", field="--" + name.replace("_", "-"))
 
-    settings = LaunchSettings(peer_timeout_s=args.peer_timeout, backend=args.backend)
-    with launched(settings) as dist:
+    with launched(launch_settings(args)) as dist:
         ranks = _gather(dist, _rank_info(dist))
         link = _measure_link(dist, args) if dist.world_size > 1 else None
         if dist.is_driver:

@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 
 from hetero_run.launch.log import get_logger
-from hetero_run.launch.watchdog import exit_now
+from hetero_run.launch.watchdog import exit_now, signal_seen
 
 log = get_logger(__name__)
 
@@ -46,6 +46,10 @@ def unwind_on_signals(grace_s: float) -> Iterator[None]:
             if not data or done.is_set():
                 return
             signum = data[0]
+            signal_seen.set()
+            # Said here, at once: the main thread may be blocked in a collective, and mpirun
+            # follows its SIGTERM with SIGKILL about 0.25 s later.
+            log.warning("received %s; shutting down", signal.Signals(signum).name)
             if done.wait(grace_s):
                 return
             exit_now(
@@ -57,8 +61,6 @@ def unwind_on_signals(grace_s: float) -> Iterator[None]:
     fired = threading.Event()
 
     def handler(signum, _frame):
-        # Said at once: mpirun follows its SIGTERM with SIGKILL about 0.25 s later.
-        log.warning("received %s; shutting down", signal.Signals(signum).name)
         if fired.is_set():
             return  # already unwinding; a second exception would cut teardown short
         fired.set()

@@ -7,6 +7,9 @@ never finish, so the heartbeat ends the process itself rather than raising.
 
 Stopping is coordinated, so shutdown never looks like a failure: a rank that stops answers
 its next ping with STOP; when rank 0 stops it sends STOP to all and waits for the answers.
+A rank leaving after an error or a signal sends ABORT instead. Its peers are then likely
+blocked in a collective with it that gloo cannot interrupt, so a peer that does not itself
+stop within `ABORT_GRACE_S` ends its process, naming the rank that left.
 """
 
 from __future__ import annotations
@@ -22,7 +25,12 @@ from hetero_run.launch.log import get_logger
 
 log = get_logger(__name__)
 
-ALIVE, STOP = 0, 1
+ALIVE, STOP, ABORT = 0, 1, 2
+ABORT_GRACE_S = 5.0  # for a rank's own unwinding to reach stop() after a peer aborted
+
+# Set by the signal watcher as soon as SIGINT/SIGTERM arrives, even while the main thread is
+# blocked in C and cannot run its Python handler yet.
+signal_seen = threading.Event()
 
 
 def exit_now(message: str, code: int = 3) -> NoReturn:
@@ -46,13 +54,16 @@ class Heartbeat:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._stop = threading.Event()
+        self._aborting = False
         self._departed: set[int] = set()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, aborting: bool = False) -> None:
+        """End the heartbeat; `aborting` tells the peers this rank leaves after an error or signal."""
+        self._aborting = aborting
         self._stop.set()
         self._thread.join(timeout=self.interval_s + self.timeout_s + 1.0)
 
@@ -74,6 +85,15 @@ class Heartbeat:
                 log.debug("heartbeat during shutdown: %s", lost)
                 return
             exit_now(f"{self.peers[lost.rank]} {lost.reason}; ending the job")
+
+    def _peer_aborted(self, rank: int) -> None:
+        self._departed.add(rank)
+        if self._stop.is_set():
+            return
+        if signal_seen.is_set():
+            exit_now(f"waiting on {self.peers[rank]}, which left after the same signal; exiting", code=143)
+        if not self._stop.wait(ABORT_GRACE_S):
+            exit_now(f"{self.peers[rank]} left the job after an error or a signal; ending the job")
 
     def _send(self, seq: int, flag: int, dst: int) -> None:
         import torch.distributed as tdist
@@ -97,32 +117,45 @@ class Heartbeat:
             raise _PeerLost(src, f"is gone (connection lost: {text})") from None
         return int(msg[0]), int(msg[1])
 
+    def _own_flag(self) -> int:
+        if not self._stop.is_set():
+            return ALIVE
+        return ABORT if self._aborting else STOP
+
     def _lead(self) -> None:
         active = set(range(1, self.world_size))
         seq = 0
         while active:
-            stopping = self._stop.wait(self.interval_s)
+            self._stop.wait(self.interval_s)
             seq += 1
-            flag = STOP if stopping else ALIVE
+            flag = self._own_flag()
             for r in sorted(active):
                 self._send(seq, flag, r)
+            aborted = []
             for r in sorted(active):
                 _, answer = self._recv(r, self.timeout_s)
-                if answer == STOP:
+                if answer != ALIVE:
                     active.discard(r)
-                    if not stopping:
+                    if flag == ALIVE:
                         self._departed.add(r)
-            if stopping:
+                    if answer == ABORT:
+                        aborted.append(r)
+            if flag != ALIVE:
                 return
+            for r in aborted:
+                self._peer_aborted(r)
 
     def _follow(self) -> None:
         while True:
             seq, flag = self._recv(0, self.interval_s + self.timeout_s)
-            answer = STOP if (flag == STOP or self._stop.is_set()) else ALIVE
-            if flag == STOP and not self._stop.is_set():
+            answer = self._own_flag()
+            if flag != ALIVE and answer == ALIVE:
+                answer = STOP  # rank 0 is leaving: this heartbeat ends either way
                 self._departed.add(0)
             self._send(seq, answer, 0)
-            if answer == STOP:
+            if flag == ABORT:
+                self._peer_aborted(0)
+            if answer != ALIVE:
                 return
 
 
