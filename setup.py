@@ -15,5 +15,6 @@ packages = [
 setup(
     packages=packages,
     package_dir={f"hetero_run.{folder}": folder for folder in FOLDERS},
-    package_data={"hetero_run.topology": ["examples/*"], "hetero_run.runtime": ["presets/*.json"]},
+    package_data={"hetero_run.topology": ["examples/*"], "hetero_run.runtime": ["presets/*.json"],
+                  "hetero_run.kernels": ["csrc/*.cpp", "csrc/*.h"]},
 )

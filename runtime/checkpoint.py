@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,11 @@ SAFETENSORS_DTYPES = {
 }
 
 
+# Quantisation schemes whose tensors runtime/weights.py reads (same layout; W4A16 has no input_scale).
+SUPPORTED_QUANT_ALGOS = ("NVFP4", "W4A16_NVFP4")
+SUPPORTED_GROUP_SIZE = 16
+
+
 class CheckpointError(UserError):
     """A checkpoint file is missing, unreadable or does not hold what the model needs."""
 
@@ -39,6 +45,18 @@ class QuantConfig:
     exclude_modules: tuple[str, ...] = ()
     kv_cache_algo: str | None = None
     source: str = ""  # the file it was read from, for error messages
+
+    def __post_init__(self):
+        if self.algo not in SUPPORTED_QUANT_ALGOS:
+            raise CheckpointError(
+                f"unsupported quant_algo {self.algo!r}; supported: {', '.join(SUPPORTED_QUANT_ALGOS)}",
+                file=self.source or None, field="quant_algo",
+            )
+        if self.group_size != SUPPORTED_GROUP_SIZE:
+            raise CheckpointError(
+                f"unsupported group_size {self.group_size}; NVFP4 uses blocks of {SUPPORTED_GROUP_SIZE}",
+                file=self.source or None, field="group_size",
+            )
 
     def quantizes(self, module: str) -> bool:
         """Whether `module` (e.g. "model.layers.0.mlp.gate") holds quantised weights."""
@@ -67,6 +85,8 @@ class Checkpoint:
     quant: QuantConfig | None
     tensors: dict[str, TensorMeta]
     bytes_read: int = 0
+    # Called as on_read(name, nbytes) after every read; runtime/load_progress.py drives a bar with it.
+    on_read: Callable[[str, int], None] | None = field(default=None, repr=False)
     _handles: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -88,7 +108,28 @@ class Checkpoint:
         try:
             return self.tensors[name]
         except KeyError:
-            raise CheckpointError(f"tensor {name!r} is missing", file=self.path) from None
+            raise CheckpointError(f"tensor {name!r} is missing (no shard of this checkpoint holds it)",
+                                  file=self.path) from None
+
+    def expect(self, name: str, dtype: torch.dtype | tuple[torch.dtype, ...] | None = None,
+               shape: tuple[int, ...] | None = None) -> TensorMeta:
+        """`meta(name)`, checked against the dtype(s) and shape the caller needs."""
+        meta = self.meta(name)
+        if dtype is not None:
+            allowed = dtype if isinstance(dtype, tuple) else (dtype,)
+            if meta.dtype not in allowed:
+                wanted = " or ".join(_dtype_name(d) for d in allowed)
+                raise CheckpointError(
+                    f"tensor {name!r} has dtype {_dtype_name(meta.dtype)}, expected {wanted}", file=meta.file
+                )
+        if shape is not None and tuple(meta.shape) != tuple(shape):
+            raise CheckpointError(
+                f"tensor {name!r} has shape {list(meta.shape)}, expected {list(shape)}", file=meta.file
+            )
+        return meta
+
+    def close(self) -> None:
+        self._handles.clear()
 
     def read(self, name: str, dim: int | None = None, part: tuple[int, int] | None = None) -> torch.Tensor:
         """Tensor `name`, or with `dim` and `part=(index, count)` only slice `index` of `count`
@@ -112,7 +153,10 @@ class Checkpoint:
                 out = handle.get_slice(name)[tuple(key)]
         except SafetensorError as exc:
             raise CheckpointError(f"cannot read tensor {name!r}: {exc}", file=meta.file) from None
-        self.bytes_read += out.numel() * out.element_size()
+        nbytes = out.numel() * out.element_size()
+        self.bytes_read += nbytes
+        if self.on_read is not None:
+            self.on_read(name, nbytes)
         return out
 
     def _handle(self, file: Path):
@@ -145,9 +189,14 @@ def read_quant_config(path: Path, config: dict) -> QuantConfig | None:
     algo = section.get("quant_algo")
     if algo is None:
         raise CheckpointError("no quant_algo given", file=source, field="quant_algo")
+    try:
+        group_size = int(section.get("group_size", SUPPORTED_GROUP_SIZE))
+    except (TypeError, ValueError):
+        raise CheckpointError(f"not an integer: {section.get('group_size')!r}", file=source,
+                              field="group_size") from None
     return QuantConfig(
         algo=str(algo),
-        group_size=int(section.get("group_size", 16)),
+        group_size=group_size,
         exclude_modules=tuple(section.get("exclude_modules") or section.get("ignore") or ()),
         kv_cache_algo=section.get("kv_cache_quant_algo"),
         source=str(source),
@@ -170,11 +219,16 @@ def _index(path: Path) -> dict[str, TensorMeta]:
         files = sorted(p.name for p in path.glob("*.safetensors"))
         if not files:
             raise CheckpointError("no model.safetensors or model.safetensors.index.json", file=path)
+        weight_map = None
     tensors: dict[str, TensorMeta] = {}
     for name in files:
         file = path / name
         for tensor, (dtype, shape) in _header(file).items():
             tensors[tensor] = TensorMeta(tensor, dtype, shape, file)
+    for tensor, name in (weight_map or {}).items():
+        if tensors.get(tensor) is None or tensors[tensor].file.name != name:
+            raise CheckpointError(f"the weight_map puts tensor {tensor!r} in {name}, which does not hold it",
+                                  file=index_file)
     return tensors
 
 
@@ -184,26 +238,43 @@ def _header(file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     with open(file, "rb") as f:
         raw_len = f.read(8)
         if len(raw_len) < 8:
-            raise CheckpointError("truncated: no safetensors header", file=file)
+            raise CheckpointError(f"truncated: {size} bytes, too short for a safetensors header", file=file)
         n = int.from_bytes(raw_len, "little")
         if n > size - 8:
-            raise CheckpointError(f"corrupted: header length {n} exceeds the file size {size}", file=file)
+            raise CheckpointError(f"corrupted or truncated: header length {n} exceeds the file size {size}",
+                                  file=file)
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise CheckpointError("corrupted: safetensors header is not valid JSON", file=file) from None
+    if not isinstance(header, dict):
+        raise CheckpointError("corrupted: safetensors header is not a JSON object", file=file)
     out = {}
     data_size = size - 8 - n
     for tensor, entry in header.items():
         if tensor == "__metadata__":
             continue
-        dtype = SAFETENSORS_DTYPES.get(entry.get("dtype"))
+        try:
+            dtype_name, (begin, end) = entry["dtype"], entry["data_offsets"]
+            shape = tuple(int(d) for d in entry["shape"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"corrupted: header entry of tensor {tensor!r} is malformed", file=file) from None
+        dtype = SAFETENSORS_DTYPES.get(dtype_name)
         if dtype is None:
-            raise CheckpointError(f"tensor {tensor!r} has unsupported dtype {entry.get('dtype')!r}", file=file)
-        begin, end = entry["data_offsets"]
+            raise CheckpointError(f"tensor {tensor!r} has unsupported dtype {dtype_name!r}", file=file)
         if end > data_size:
             raise CheckpointError(
                 f"truncated: tensor {tensor!r} ends at byte {end} of a {data_size}-byte data section", file=file
             )
-        out[tensor] = (dtype, tuple(entry["shape"]))
+        expected = TensorMeta(tensor, dtype, shape, file).nbytes
+        if end - begin != expected:
+            raise CheckpointError(
+                f"corrupted: tensor {tensor!r} spans {end - begin} bytes, expected {expected} for "
+                f"{_dtype_name(dtype)} {list(shape)}", file=file,
+            )
+        out[tensor] = (dtype, shape)
     return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

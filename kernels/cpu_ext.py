@@ -1,0 +1,88 @@
+"""The compiled CPU kernels (`csrc/*.cpp`): built on first use, cached, never required.
+
+`ops()` returns `torch.ops.hetero_run` with `nvfp4_linear`, `nvfp4_dequant`, `dense_linear` and
+`cpu_features`, or None when the library cannot be built or loaded here (no compiler, no
+headers, unusual platform): callers then use the plain-PyTorch paths, after one warning.
+
+The build takes a few seconds with gcc and is cached under
+`$XDG_CACHE_HOME/hetero-run/torch-extensions/` (default `~/.cache`), keyed by torch version;
+torch rebuilds it when the source changes. Set `HETERO_RUN_CPU_KERNELS=0` to skip it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / f"{name}.cpp" for name in ("cpu_linear", "nvfp4_avx512", "dense_avx512", "amx", "portable")]
+NAME = "hetero_run_cpu_linear"
+FEATURE_AVX512 = 1
+FEATURE_AVX512_BF16 = 2
+FEATURE_AMX = 4  # AMX-BF16 tiles, usable by this process
+
+log = logging.getLogger("hetero_run.kernels.cpu_ext")
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def cache_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    version = torch.__version__.replace("+", "_")
+    return base / "hetero-run" / "torch-extensions" / f"torch{version}-py{sys.version_info[0]}{sys.version_info[1]}"
+
+
+def enabled() -> bool:
+    return os.environ.get("HETERO_RUN_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def ops():
+    """`torch.ops.hetero_run` with the compiled kernels loaded, or None (see module doc)."""
+    if "ops" in _state:
+        return _state["ops"]
+    with _lock:
+        if "ops" not in _state:
+            _state["ops"] = _load() if enabled() else None
+    return _state["ops"]
+
+
+def features() -> int:
+    """Bit flags from the library (FEATURE_AVX512, FEATURE_AVX512_BF16, FEATURE_AMX); 0 without it."""
+    lib = ops()
+    return int(lib.cpu_features()) if lib is not None else 0
+
+
+def _reason(exc: Exception) -> str:
+    """The compiler's first error line if there is one, else the exception's first line."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if "error" in ln.lower() and not ln.startswith(("[", "FAILED"))]
+    return (errors or lines or [type(exc).__name__])[0][:300]
+
+
+def _load():
+    if hasattr(torch.ops.hetero_run, "nvfp4_linear"):  # already registered in this process
+        return torch.ops.hetero_run
+    try:
+        from torch.utils.cpp_extension import load
+
+        build = cache_dir()
+        build.mkdir(parents=True, exist_ok=True)
+        load(
+            name=NAME,
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=["-O3", "-fno-math-errno", f"-I{CSRC}"],
+            build_directory=str(build),
+            is_python_module=False,
+            verbose=False,
+        )
+        lib = torch.ops.hetero_run
+        log.debug("CPU kernels loaded from %s (features %d)", build, int(lib.cpu_features()))
+        return lib
+    except Exception as exc:  # any build or load failure means: use the PyTorch paths
+        log.warning("compiled CPU kernels unavailable (%s); using the slower PyTorch paths", _reason(exc))
+        return None

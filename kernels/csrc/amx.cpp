@@ -1,0 +1,201 @@
+// x @ W.T on AMX tiles for bf16 x (NVFP4 and bf16 weights).
+//
+// With bf16 activations, AMX tiles multiply 16 output rows by 32 inputs by up to 16 x rows in
+// one instruction, so verifying a draft (n = 2..16 tokens) costs about as much as one token.
+// We compute y^T = W x^T: tile A = 16 weight rows x 32 inputs (bf16, row-major), tile B = x^T
+// as bf16 pairs ([16 input pairs][n] dwords, built once per call), tile C = [16 outputs][n] fp32.
+// NVFP4 rows are dequantised into A exactly: E2M1 * block scale has at most 6 significant bits,
+// so the float32 product's low 16 bits are zero and bf16 = its top half. The global scale is
+// applied to C. Dense bf16 rows load into A straight from the weight.
+#include "cpu_kernels.h"
+
+#if HR_X86
+#include <immintrin.h>
+
+namespace hetero_run_cpu {
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0, tmm3 = C [16][n] f32; tmm1, tmm4 = A [16][32] bf16; tmm2, tmm5 = B [16][n] bf16 pairs.
+HR_AMX void amx_configure(int64_t n) {
+  TileConfig cfg;
+  for (int t : {0, 3}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(n * 4);
+  for (int t : {1, 4}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {2, 5}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(n * 4);
+  // gcc's _tile_loadconfig tells the optimiser it reads 8 bytes only; keep all 64 bytes stored.
+  __asm__ volatile("" : : "m"(cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// xt[p][j] = (x[j][2p], x[j][2p + 1]) as one dword: B tiles for every 32-input chunk.
+std::vector<uint32_t> pairs_transposed(const uint16_t* x, int64_t n, int64_t in) {
+  std::vector<uint32_t> xt(in / 2 * n);
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t* xr = reinterpret_cast<const uint32_t*>(x + j * in);
+    for (int64_t p = 0; p < in / 2; ++p) xt[p * n + j] = xr[p];
+  }
+  return xt;
+}
+
+HR_AMX void amx_store_rows(const float* c, int64_t n, int64_t o0, int64_t rows, const float* row_scale, float* y,
+                           int64_t out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float g = row_scale ? row_scale[o0 + r] : 1.0f;
+    for (int64_t j = 0; j < n; ++j) y[j * out + o0 + r] = c[r * n + j] * g;
+  }
+}
+
+// 16 rows x 128 inputs into four A buffers, with the inputs in the order the codes give them
+// cheaply: A buffer q, row r, dword j holds the pair (element 8j + 2q, element 8j + 2q + 1) of the
+// chunk. The dot product does not care about the order of the inputs as long as B follows it:
+// B row j of step q is x's pair c/2 + 4j + q, i.e. the pair table read with a stride of 4 pairs.
+HR_AMX inline void nvfp4_tiles_a128(const uint8_t* codes, const float* sbuf, int64_t in, int64_t rows, int64_t c,
+                                    uint16_t (*a)[16 * 32]) {
+  const int64_t nblocks = in / kGroup;
+  const __m512 table = _mm512_loadu_ps(kE2M1);
+  const __m512i dup_lo = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t r = 0; r < rows; ++r) {
+    _mm_prefetch(reinterpret_cast<const char*>(codes + (r + 16) * (in / 2) + c / 2), _MM_HINT_T0);
+    const __m512i d = _mm512_loadu_si512(codes + r * (in / 2) + c / 2);
+    const __m512 s = _mm512_permutexvar_ps(dup_lo, _mm512_castps256_ps512(_mm256_loadu_ps(sbuf + r * nblocks + c / kGroup)));
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q) {
+      const __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 8 * q), table), s);
+      const __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 8 * q + 4), table), s);
+      // (hi & 0xFFFF0000) | (lo >> 16): the two exact bf16 values as one pair
+      const __m512i pair = _mm512_ternarylogic_epi32(_mm512_castps_si512(hi), top,
+                                                     _mm512_srli_epi32(_mm512_castps_si512(lo), 16), 0xEA);
+      _mm512_store_si512(a[q] + r * 32, pair);
+    }
+  }
+}
+
+// 16 rows x 32 inputs in natural order (element 2p, 2p + 1 in dword p), for rows whose length is
+// not a multiple of 128.
+HR_AMX inline void nvfp4_tile_a32(const uint8_t* codes, const float* sbuf, int64_t in, int64_t rows, int64_t k,
+                                  uint16_t* a) {
+  const int64_t nblocks = in / kGroup;
+  const __m512 table = _mm512_loadu_ps(kE2M1);
+  const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + r * (in / 2) + k / 2)));
+    const __m512 s2 = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_castsi128_ps(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(sbuf + r * nblocks + k / kGroup)))));
+    const __m512 lo = _mm512_mul_ps(_mm512_permutexvar_ps(d, table), s2);                        // element 2p
+    const __m512 hi = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_srli_epi32(d, 4), table), s2);  // 2p + 1
+    const __m512i pair = _mm512_ternarylogic_epi32(_mm512_castps_si512(hi), top,
+                                                   _mm512_srli_epi32(_mm512_castps_si512(lo), 16), 0xEA);
+    _mm512_store_si512(a + r * 32, pair);
+  }
+}
+
+HR_AMX void nvfp4_blocks_amx(const uint32_t* xt, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
+                             const float* row_scale, int64_t out, float* y, int64_t b0, int64_t b1) {
+  const int64_t nblocks = in / kGroup, main = in / 128 * 128;
+  amx_configure(n);
+  // Two sets of A buffers, used in turn, so writing the next chunk never waits for tile loads
+  // of the previous one.
+  alignas(64) uint16_t abuf[2][4][16 * 32];
+  alignas(64) float c[2][16 * 16];
+  std::vector<float> sbuf(16 * nblocks);
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const int64_t o0 = blk * 16, rows = std::min<int64_t>(16, out - o0);
+    for (int64_t r = 0; r < rows; ++r) row_scales(scales + (o0 + r) * nblocks, nblocks, sbuf.data() + r * nblocks);
+    if (rows < 16) std::memset(abuf, 0, sizeof(abuf));
+    const uint8_t* cb = codes + o0 * (in / 2);
+    _tile_zero(0);
+    _tile_zero(3);
+    for (int64_t k = 0; k < main; k += 128) {
+      uint16_t(*a)[16 * 32] = abuf[(k / 128) & 1];
+      nvfp4_tiles_a128(cb, sbuf.data(), in, rows, k, a);
+      // Two accumulators in turn, so consecutive tile products do not wait for each other.
+      _tile_loadd(1, a[0], 64);
+      _tile_loadd(2, xt + (k / 2) * n, 16 * n);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_loadd(4, a[1], 64);
+      _tile_loadd(5, xt + (k / 2 + 1) * n, 16 * n);
+      _tile_dpbf16ps(3, 4, 5);
+      _tile_loadd(1, a[2], 64);
+      _tile_loadd(2, xt + (k / 2 + 2) * n, 16 * n);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_loadd(4, a[3], 64);
+      _tile_loadd(5, xt + (k / 2 + 3) * n, 16 * n);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    for (int64_t k = main; k < in; k += 32) {
+      uint16_t* a = abuf[(k / 32) & 1][0];
+      nvfp4_tile_a32(cb, sbuf.data(), in, rows, k, a);
+      _tile_loadd(1, a, 64);
+      _tile_loadd(2, xt + (k / 2) * n, n * 4);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, c[0], n * 4);
+    _tile_stored(3, c[1], n * 4);
+    for (int64_t i = 0; i < 16 * n; ++i) c[0][i] += c[1][i];
+    amx_store_rows(c[0], n, o0, rows, row_scale, y, out);
+  }
+  _tile_release();
+}
+
+// Any number of x rows, 16 at a time (a prefill re-dequantises W per 16 rows, still faster than
+// dequantising once and multiplying in float32).
+}  // namespace
+
+void nvfp4_linear_amx(const uint16_t* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
+                      const float* row_scale, int64_t out, float* y) {
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i0);
+    const std::vector<uint32_t> xt = pairs_transposed(x + i0 * in, m, in);
+    at::parallel_for(0, (out + 15) / 16, grain_rows(16 * (in / 2 + in / kGroup)), [&](int64_t b0, int64_t b1) {
+      nvfp4_blocks_amx(xt.data(), m, in, codes, scales, row_scale, out, y + i0 * out, b0, b1);
+    });
+  }
+}
+
+namespace {
+
+HR_AMX void dense_blocks_amx(const uint32_t* xt, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y,
+                             int64_t b0, int64_t b1) {
+  amx_configure(n);
+  alignas(64) uint16_t a[16 * 32];
+  alignas(64) float c[16 * 16];
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const int64_t o0 = blk * 16, rows = std::min<int64_t>(16, out - o0);
+    _tile_zero(0);
+    for (int64_t k = 0; k < in; k += 32) {
+      if (rows == 16) {
+        for (int64_t r = 0; r < 16; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (o0 + 16 + r) * in + k), _MM_HINT_T0);
+        _tile_loadd(1, w + o0 * in + k, in * 2);
+      } else {  // last block: copy the rows that exist, zero the rest
+        std::memset(a, 0, sizeof(a));
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(a + r * 32, w + (o0 + r) * in + k, 64);
+        _tile_loadd(1, a, 64);
+      }
+      _tile_loadd(2, xt + (k / 2) * n, n * 4);
+      _tile_dpbf16ps(0, 1, 2);
+    }
+    _tile_stored(0, c, n * 4);
+    amx_store_rows(c, n, o0, rows, nullptr, y, out);
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+void dense_linear_amx(const uint16_t* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y) {
+  const std::vector<uint32_t> xt = pairs_transposed(x, n, in);
+  at::parallel_for(0, (out + 15) / 16, grain_rows(16 * in * 2), [&](int64_t b0, int64_t b1) {
+    dense_blocks_amx(xt.data(), n, in, w, out, y, b0, b1);
+  });
+}
+
+}  // namespace hetero_run_cpu
+#endif
