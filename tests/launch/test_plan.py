@@ -1,0 +1,99 @@
+"""`hetero-run plan`: verdicts and exit statuses on the shipped topologies, JSON fields, run
+config files, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DUAL = ROOT / "topology/examples/dual-spark.yaml"
+SINGLE = ROOT / "topology/examples/single-spark.yaml"
+GiB = 1 << 30
+PER_RANK = ("rank", "weights_bytes", "kv_bytes", "drafter_bytes", "total_bytes", "capacity_bytes")
+
+
+def test_two_sparks_fit_json(run_cli):
+    out = run_cli("plan", "--target", "qwen3-235b-a22b-nvfp4", "--drafter", "eagle3-qwen3-235b",
+                  "--topology", DUAL, "--context", "32768", "--json")
+    assert out.returncode == 0, out.output
+    plan = json.loads(out.stdout)
+    assert plan["fits"] is True and plan["max_context_tokens"] == 40960
+    assert [r["rank"] for r in plan["per_rank"]] == [0, 1]
+    for r in plan["per_rank"]:
+        assert all(isinstance(r[key], int) for key in PER_RANK)
+        assert r["weights_bytes"] / GiB == pytest.approx(62.4, rel=0.01)
+        assert r["kv_bytes"] == 94 * 1024 * 32768
+        assert r["capacity_bytes"] == 119 * GiB and r["total_bytes"] < r["capacity_bytes"]
+        assert r["kv_room_bytes"] > 40 * GiB
+    assert plan["per_rank"][0]["drafter_bytes"] > 0 == plan["per_rank"][1]["drafter_bytes"]
+    roof = plan["roofline"]
+    assert roof["decode"]["collectives"] == 190 and roof["memory_bandwidth_gbps"] == 273
+    spec = roof["speculative"]
+    assert spec["draft_len"] == 3 and spec["acceptance"] == 0.7
+    assert 0 < spec["tokens_per_s"] <= spec["tokens_per_s_shared_routing"]
+
+
+def test_one_spark_does_not_fit_exit_1_with_the_table(run_cli):
+    out = run_cli("plan", "--target", "qwen3-235b-a22b-nvfp4", "--drafter", "eagle3-qwen3-235b",
+                  "--topology", SINGLE)
+    assert out.returncode == 1, out.output
+    assert "DOES NOT FIT" in out.stdout and "rank 0 (spark-a) needs" in out.stdout
+    assert "target weights" in out.stdout and "tok/s" in out.stdout
+    assert "Traceback" not in out.output
+
+
+def test_run_config_file_and_flag_overrides(run_cli, tmp_path):
+    (tmp_path / "topo.yaml").write_text(DUAL.read_text())
+    run = tmp_path / "run.yaml"
+    run.write_text("target: qwen3-235b-a22b-nvfp4\ntopology: topo.yaml\ncontext: 8192\nbatch: 2\n")
+    out = run_cli("plan", "--config", run, "--context", "4096", "--acceptance", "0.8", "--draft-len", "2",
+                  "--drafter", "eagle3-qwen3-235b", "--link-latency-us", "41", "--json")
+    assert out.returncode == 0, out.output
+    plan = json.loads(out.stdout)
+    assert plan["context_tokens"] == 4096 and plan["batch"] == 2 and plan["tensor_parallel_size"] == 2
+    assert plan["per_rank"][1]["kv_bytes"] == 94 * 1024 * 4096 * 2
+    assert plan["roofline"]["link_latency_us"] == 41
+    assert plan["roofline"]["speculative"]["expected_tokens_per_round"] == pytest.approx(1 + 0.8 + 0.64)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--target", "no-such-model"), "neither a checkpoint directory nor a preset"),
+    (("--target", "qwen3-235b-a22b-nvfp4", "--context", "0"), "context"),
+    (("--target", "qwen3-235b-a22b-nvfp4", "--acceptance", "1.5"), "--acceptance: must be between 0 and 1"),
+    (("--target", "qwen3-235b-a22b-nvfp4", "--hardware", "tpu"), "unknown hardware preset 'tpu'"),
+    (("--drafter", "eagle3-qwen3-235b",), "give --target DIR|PRESET or --config RUN.yaml"),
+])
+def test_bad_input_is_one_line_exit_2(run_cli, args, message):
+    out = run_cli("plan", *args)
+    assert out.returncode == 2, out.output
+    assert message in out.stderr and "Traceback" not in out.output
+
+
+def test_checkpoint_on_this_machine_with_measured_bandwidth(run_cli):
+    from tiny_models import tiny_checkpoint
+
+    path = tiny_checkpoint("qwen3_moe", "bf16")
+    out = run_cli("plan", "--target", path, "--measure-bandwidth", "--per-tensor", "--json")
+    assert out.returncode == 0, out.output
+    plan = json.loads(out.stdout)
+    assert plan["hardware"]["name"] == "cpu-host" and plan["roofline"]["bandwidth_measured"] is True
+    assert plan["roofline"]["memory_bandwidth_gbps"] > 0.1
+    assert plan["context_tokens"] == 256  # the tiny model's max_position_embeddings
+    tensors = {t["name"]: t for t in plan["tensors_per_rank"]}
+    assert sum(t["bytes"] for t in tensors.values()) == plan["per_rank"][0]["weights_bytes"]
+    assert tensors["model.layers.0.mlp.gate.weight"]["shape"] == [4, 64]
+
+
+@pytest.mark.mpi
+def test_generate_refuses_a_plan_that_does_not_fit_before_loading(run_cli):
+    from tiny_models import tiny_checkpoint
+
+    path = tiny_checkpoint("qwen3", "bf16")
+    out = run_cli("generate", "--target", path, "--prompt", "def add", "--max-new-tokens", "2",
+                  "--context", "200000000", np=2)
+    assert out.returncode == 1, out.output
+    assert "DOES NOT FIT" in out.output and "rank 0 (this machine) needs" in out.output
+    assert "loaded in" not in out.output and "Traceback" not in out.output
