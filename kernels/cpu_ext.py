@@ -22,6 +22,7 @@ import torch
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / f"{name}.cpp" for name in ("cpu_linear", "nvfp4_avx512", "dense_avx512", "amx", "portable")]
 NAME = "hetero_run_cpu_linear"
+OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []  # the libgomp torch itself uses
 FEATURE_AVX512 = 1
 FEATURE_AVX512_BF16 = 2
 FEATURE_AMX = 4  # AMX-BF16 tiles, usable by this process
@@ -75,7 +76,9 @@ def _load():
         load(
             name=NAME,
             sources=[str(p) for p in SOURCES],
-            extra_cflags=["-O3", "-fno-math-errno", f"-I{CSRC}"],
+            # at::parallel_for is inline OpenMP: without -fopenmp the kernels run on one thread
+            extra_cflags=["-O3", "-fno-math-errno", f"-I{CSRC}", *OPENMP],
+            extra_ldflags=OPENMP,
             build_directory=str(build),
             is_python_module=False,
             verbose=False,

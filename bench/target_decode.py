@@ -1,0 +1,267 @@
+"""Batch-1 greedy decode of the real CPU target: this runtime (bf16, NVFP4; TP=1, TP=2) against
+transformers `generate` (fp32) on the same model and prompts, in the same run; plus per-rank
+peak memory.
+
+    python bench/target_decode.py [--gguf FILE] [--new-tokens 128] [--configs tp1-bf16,...]
+
+Prints, per configuration: decode tok/s and ms/token, overall tok/s (prefill included, as
+transformers is timed) and the speed-up over transformers, weight bytes read per token and
+the share of the memory-bandwidth roofline (bandwidth measured here, by the planner's
+method), per-rank peak RSS, TP=2 / TP=1 ratios, and how many tokens match transformers'
+greedy output. The bf16 and NVFP4 checkpoints are converted from the GGUF once (ModelOpt for
+NVFP4) into ~/.cache/hetero-run/bench. Each configuration runs in fresh processes
+(`mpirun -np 2` for TP=2), so peak RSS is that configuration's alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_GGUF = Path("/work/pair/qwen2.5-coder-0.5b-instruct.gguf")
+PROMPTS = (  # the reference measurement's three coding prompts (chat template)
+    "Write a Python function that checks whether a number is prime.",
+    "Write a Python function that returns the nth Fibonacci number iteratively.",
+    "Implement binary search over a sorted list in Python.",
+)
+CONFIGS = ("tp1-bf16", "tp1-nvfp4", "tp2-bf16", "tp2-nvfp4")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gguf", type=Path, default=DEFAULT_GGUF, help="the target GGUF (default %(default)s)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="greedy tokens per prompt (default 128)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ", ".join(CONFIGS))
+    parser.add_argument("--cache", type=Path, help="converted checkpoints (default ~/.cache/hetero-run/bench)")
+    parser.add_argument("--skip-transformers", action="store_true", help="skip the transformers reference")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run every configuration N times, round robin, and keep each one's fastest run "
+                        "(use 2-3 on a machine other jobs share)")
+    parser.add_argument("--json", action="store_true", help="also print all figures as one JSON object")
+    parser.add_argument("--worker", choices=("ours", "transformers"), help=argparse.SUPPRESS)
+    parser.add_argument("--target", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker == "ours":
+        return _ours_worker(args)
+    if args.worker == "transformers":
+        return _transformers_worker(args)
+    _orchestrate(args)
+
+
+# ------------------------------------------------------------------ orchestration (no model in memory)
+
+def _orchestrate(args) -> None:
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = set(configs) - set(CONFIGS)
+    if unknown:
+        sys.exit(f"unknown config(s): {', '.join(sorted(unknown))}")
+    if not args.gguf.is_file():
+        sys.exit(f"{args.gguf}: not found (hetero-run fetch cpu-pair downloads it)")
+    checkpoints = {q: _checkpoint(args, q) for q in sorted({c.split("-")[1] for c in configs})}
+    from hetero_run.runtime.planner import measure_bandwidth
+
+    bandwidth = measure_bandwidth()
+    print(f"memory bandwidth (measured): {bandwidth:.1f} GB/s; {len(PROMPTS)} chat prompts x {args.new_tokens} "
+          f"greedy tokens; {os.cpu_count()} cores", flush=True)
+    jobs = {}  # name -> (argv, tp)
+    if not args.skip_transformers:
+        jobs["transformers-fp32"] = ([sys.executable, __file__, "--worker", "transformers", "--target",
+                                      str(args.gguf), "--new-tokens", str(args.new_tokens)], 1)
+    for config in configs:
+        tp, quant = config.split("-")
+        jobs[config] = ([sys.executable, __file__, "--worker", "ours", "--target", str(checkpoints[quant]),
+                         "--new-tokens", str(args.new_tokens)], int(tp[2:]))
+    runs = {}
+    for round_ in range(args.repeat):
+        for name, (argv, tp) in jobs.items():
+            run = _spawn(argv, tp)
+            _line(name if args.repeat == 1 else f"{name} #{round_ + 1}", run)
+            if name not in runs or run["decode_tps"] > runs[name]["decode_tps"]:
+                runs[name] = run
+    _table(runs, bandwidth)
+    if args.json:
+        print(json.dumps({"bandwidth_gbps": bandwidth, "runs": runs}))
+
+
+def _checkpoint(args, quant: str) -> Path:
+    from hetero_run.runtime.convert import load_source, read_manifest, save_converted
+    from hetero_run.runtime.fetch import cache_root
+
+    out = (args.cache or cache_root() / "bench") / f"{args.gguf.stem}-{quant}"
+    labels = {"source_size": str(args.gguf.stat().st_size)}
+    manifest = read_manifest(out) if out.is_dir() else None
+    if manifest and manifest.get("quant") == quant and manifest.get("labels") == labels:
+        return out
+    print(f"converting {args.gguf.name} to {quant} in {out} (once; about a minute)", flush=True)
+    model, tokenizer = load_source(args.gguf)
+    # transformers marks a GGUF-loaded model as quantised ("gguf") and refuses save_pretrained,
+    # although its weights are plain dequantised tensors by now.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    save_converted(model, tokenizer, out, quant, overwrite=True, source=args.gguf, labels=labels)
+    return out
+
+
+def _spawn(argv: list[str], tp: int) -> dict:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.pop("OMP_NUM_THREADS", None)
+    if tp > 1:
+        mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or "mpirun"
+        argv = [mpirun, "-np", str(tp), "--oversubscribe", "--bind-to", "none"] + argv
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"{' '.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1])
+
+
+def _line(name: str, run: dict) -> None:
+    print(f"  {name:18s} decode {run['decode_tps']:6.2f} tok/s, overall {run['overall_tps']:6.2f} tok/s, "
+          f"peak RSS {max(r['peak_rss'] for r in run['ranks']) / 2**20:7.0f} MiB per rank", flush=True)
+
+
+def _table(runs: dict, bandwidth: float) -> None:
+    ref = runs.get("transformers-fp32")
+    tp1 = {q: runs.get(f"tp1-{q}") for q in ("bf16", "nvfp4")}
+    header = (f"{'config':18s} {'decode tok/s':>12s} {'ms/token':>9s} {'overall':>8s} {'vs HF':>6s} "
+              f"{'GB/token':>9s} {'GB/s':>6s} {'roofline':>9s} {'peak RSS/rank':>14s} {'vs TP=1':>14s} "
+              f"{'HF-equal tokens':>16s}")
+    print("\n" + header + "\n" + "-" * len(header))
+    for name, run in runs.items():
+        ms = 1000 / run["decode_tps"]
+        gb = run["decode_bytes"] / 1e9  # read by every rank together per token
+        roof = bandwidth / (run["decode_bytes"] / 1e9)
+        speed = f"{run['overall_tps'] / ref['overall_tps']:.2f}x" if ref else "-"
+        rss = max(r["peak_rss"] for r in run["ranks"])
+        base = tp1.get(name.split("-")[-1]) if name.startswith("tp2") else None
+        versus = "-"
+        if base:
+            versus = (f"{ms / (1000 / base['decode_tps']):.2f}x ms, "
+                      f"{rss / max(r['peak_rss'] for r in base['ranks']):.0%}")
+        equal = "-"
+        if ref and name != "transformers-fp32":
+            same = [_prefix(a, b) for a, b in zip(run["token_ids"], ref["token_ids"], strict=True)]
+            equal = f"{sum(same)}/{sum(len(t) for t in ref['token_ids'])}"
+        print(f"{name:18s} {run['decode_tps']:12.2f} {ms:9.1f} {run['overall_tps']:8.2f} {speed:>6s} {gb:9.3f} "
+              f"{gb * run['decode_tps']:6.1f} {run['decode_tps'] / roof:9.0%} {rss / 2**20:10.0f} MiB {versus:>14s} "
+              f"{equal:>16s}")
+    print("\nroofline = measured bandwidth / weight bytes read per token (all ranks share this machine's memory);"
+          "\nvs TP=1 = per-token latency ratio and peak-RSS ratio (largest rank) against the same format at TP=1;"
+          "\nHF-equal tokens = leading greedy tokens identical to transformers fp32 (bf16 rounding may diverge).")
+
+
+def _prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+# ------------------------------------------------------------------ workers (one configuration each)
+
+def _peak_rss() -> int:
+    """This process's own peak resident set (VmHWM). Not ru_maxrss: Linux carries that across
+    exec from the parent's forked image, so a child would inherit the orchestrator's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _ours_worker(args) -> None:
+    import torch
+
+    from hetero_run.kernels.sampling import SamplingParams
+    from hetero_run.launch.bootstrap import LaunchSettings, launched
+    from hetero_run.launch.generate import TargetOnly
+    from hetero_run.runtime.models.loader import load_model
+    from hetero_run.runtime.models.parallel import ParallelContext
+    from hetero_run.runtime.runner import TargetRunner, serve_worker
+
+    with launched(LaunchSettings(peer_timeout_s=120)) as dist:
+        ctx = ParallelContext.from_dist(dist)
+        if dist.is_driver:  # as `hetero-run generate` does: the tokenizer first, on rank 0 only
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(args.target))
+            prompts = [_chat_ids(tokenizer, p) for p in PROMPTS]
+        model = load_model(args.target, ctx, max_tokens=1024)
+        info = {"rank": dist.rank, "threads": torch.get_num_threads(), "weight_bytes": model.weight_nbytes,
+                "decode_bytes": model.decode_nbytes()}
+        if dist.is_driver:
+            with TargetRunner(model, ctx) as runner:
+                decoder = TargetOnly(runner, SamplingParams())
+                list(decoder.generate(prompts[0], 8, set()))  # warm-up
+                timings, ids = [], []
+                for prompt in prompts:
+                    start = time.perf_counter()
+                    stamps, tokens = [], []
+                    for new in decoder.generate(prompt, args.new_tokens, set()):
+                        stamps.append(time.perf_counter())
+                        tokens += new
+                    timings.append((start, stamps))
+                    ids.append(tokens)
+        else:
+            serve_worker(model, ctx)
+        info["peak_rss"] = _peak_rss()
+        ranks = [info]
+        if dist.world_size > 1:
+            import torch.distributed as tdist
+
+            ranks = [None] * dist.world_size
+            tdist.all_gather_object(ranks, info, group=dist.group)
+        if dist.is_driver:
+            decode_s = sum(s[-1] - s[0] for _, s in timings)
+            total_s = sum(s[-1] - start for start, s in timings)
+            n = sum(len(s) for _, s in timings)
+            print(json.dumps({
+                "decode_tps": sum(len(s) - 1 for _, s in timings) / decode_s, "overall_tps": n / total_s,
+                "decode_bytes": sum(r["decode_bytes"] for r in ranks), "token_ids": ids, "ranks": ranks,
+            }), flush=True)
+
+
+def _transformers_worker(args) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    folder, name = str(args.target.parent), args.target.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    n = args.new_tokens
+    config = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    prompts = [torch.tensor([_chat_ids(tokenizer, p)]) for p in PROMPTS]
+    with torch.inference_mode():
+        model.generate(prompts[0], generation_config=GenerationConfig(max_new_tokens=8, do_sample=False,
+                                                                      pad_token_id=0))  # warm-up
+        seconds, ids = 0.0, []
+        for prompt in prompts:
+            start = time.perf_counter()
+            out = model.generate(prompt, generation_config=config, attention_mask=torch.ones_like(prompt))
+            seconds += time.perf_counter() - start
+            ids.append(out[0, prompt.shape[1]:].tolist())
+    weights = sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    tps = n * len(prompts) / seconds
+    print(json.dumps({"decode_tps": tps, "overall_tps": tps, "decode_bytes": weights, "token_ids": ids,
+                      "ranks": [{"rank": 0, "threads": torch.get_num_threads(), "peak_rss": _peak_rss()}]}),
+          flush=True)
+
+
+def _chat_ids(tokenizer, prompt: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                         tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+if __name__ == "__main__":
+    main()

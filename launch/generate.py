@@ -1,0 +1,365 @@
+"""Generate text with the target model alone, on one rank or tensor-parallel under mpirun.
+
+    hetero-run generate --target DIR|FILE.gguf --prompt TEXT [--chat] [--json]
+    mpirun -np 2 ... hetero-run generate --target DIR --prompts-file PROMPTS.jsonl --json
+
+Every rank loads its shard of the target; rank 0 also holds the tokenizer, runs the decode loop
+and streams the text (or prints one JSON object per prompt with --json); the other ranks serve
+the forwards rank 0 asks for. Sampling (temperature, top-p, top-k) is seeded per prompt, so the
+same seed gives the same text at any tensor-parallel size.
+
+A prompts file holds one JSON object per line: {"prompt": "..."}; blank lines are skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+NAME = "generate"
+HELP = "generate text with the target model alone (one rank, or tensor-parallel under mpirun)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, metavar="DIR|FILE.gguf",
+                        help="checkpoint directory (bf16 / fp32 / NVFP4 safetensors) or a GGUF file")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", metavar="TEXT", help="one prompt")
+    source.add_argument("--prompts-file", metavar="FILE.jsonl", help='one {"prompt": ...} object per line')
+    parser.add_argument("--max-new-tokens", type=int, default=128, metavar="N", help="default 128")
+    parser.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    parser.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling (default 1.0)")
+    parser.add_argument("--top-k", type=int, default=0, metavar="K", help="0 = no top-k cut (default)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="sampling seed, per prompt (default 0)")
+    parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
+    parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+    parser.add_argument("--dtype", default="auto", metavar="DTYPE",
+                        help="activations, dense weights, KV cache: auto (bf16; fp32 for fp32 checkpoints and "
+                        "GGUF files), bf16, fp32")
+    parser.add_argument("--context", type=int, metavar="N",
+                        help="tokens per sequence the KV cache holds (default min(32768, the model's maximum))")
+    parser.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prompt tokens per forward")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """Everything a generate run needs, checked before any rank starts."""
+
+    target: Path
+    sampling: object  # kernels.sampling.SamplingParams
+    max_new_tokens: int = 128
+    chat: bool = False
+    json: bool = False
+    ignore_eos: bool = False
+    dtype: str = "auto"
+    context: int | None = None  # KV cache slots; None: min(32768, the model's maximum)
+    prefill_chunk: int = 512
+    algorithm: str = "none"
+
+    def __post_init__(self):
+        from hetero_run.topology.errors import ConfigError
+
+        for name in ("max_new_tokens", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"must be >= 1, got {getattr(self, name)}", field="--" + name.replace("_", "-"))
+        if self.context is not None and self.context < 2:
+            raise ConfigError(f"must be >= 2, got {self.context}", field="--context")
+        if self.dtype not in ("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"):
+            raise ConfigError(f"expected auto, bf16 or fp32, got {self.dtype!r}", field="--dtype")
+        if not self.target.exists():
+            raise ConfigError("no such checkpoint directory or GGUF file", file=self.target, field="--target")
+
+
+def build_config(args: argparse.Namespace) -> GenerateConfig:
+    from hetero_run.kernels.sampling import SamplingParams
+    from hetero_run.topology.errors import ConfigError
+
+    try:
+        sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    except ConfigError as exc:
+        raise ConfigError(exc.message, field="--" + (exc.field or "").replace("_", "-")) from None
+    return GenerateConfig(
+        target=Path(args.target), sampling=sampling, max_new_tokens=args.max_new_tokens, chat=args.chat,
+        json=args.json, ignore_eos=args.ignore_eos, dtype=args.dtype, context=args.context,
+        prefill_chunk=args.prefill_chunk,
+    )
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    where: str  # "--prompt" or "FILE:LINE", for error messages
+
+
+def read_prompts(args: argparse.Namespace) -> list[Prompt]:
+    from hetero_run.topology.errors import ConfigError
+
+    if args.prompt is not None:
+        return [Prompt(args.prompt, "--prompt")]
+    path = Path(args.prompts_file)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read: {exc}", file=path, field="--prompts-file") from None
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"not a JSON object: {exc.msg}", file=path, line=number) from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str):
+            raise ConfigError('expected {"prompt": "<text>"}', file=path, line=number, field="prompt")
+        prompts.append(Prompt(entry["prompt"], f"{path}:{number}"))
+    if not prompts:
+        raise ConfigError("holds no prompts", file=path)
+    return prompts
+
+
+class Decoder(Protocol):
+    """What generates tokens for one prompt on rank 0; a speculative driver is another one."""
+
+    algorithm: str
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> Iterator[list[int]]:
+        """Yield the new token ids as they are decided (one or more at a time)."""
+        ...
+
+
+class TargetOnly:
+    """Plain autoregressive decoding: one target forward per token."""
+
+    algorithm = "none"
+
+    def __init__(self, runner, sampling):
+        self.runner, self.sampling = runner, sampling
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> Iterator[list[int]]:
+        import torch
+
+        from hetero_run.kernels.sampling import logits_to_probs, sample
+
+        runner, n, params = self.runner, len(prompt_ids), self.sampling
+        runner.truncate(0)
+        generator = None if params.greedy else params.generator()
+        logits = runner.forward(torch.tensor(prompt_ids), torch.arange(n), num_logits=1)  # [1, vocab]
+        for step in range(max_new_tokens):
+            logits = logits.cpu()
+            token = int(logits[0].argmax() if params.greedy else sample(logits_to_probs(logits, params), generator))
+            yield [token]
+            if token in stop_ids or step + 1 == max_new_tokens:
+                return
+            logits = runner.forward(torch.tensor([token]), torch.tensor([n + step]))
+
+
+def make_decoder(config: GenerateConfig, runner) -> Decoder:
+    """The decoder for config.algorithm (speculative algorithms register here)."""
+    return TargetOnly(runner, config.sampling)
+
+
+@dataclass
+class Result:
+    prompt: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    seconds: float
+    prefill_seconds: float  # until the first new token
+    finish_reason: str  # "stop" (end-of-sequence token) or "length"
+    algorithm: str
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        n = len(self.token_ids)
+        decode_s = self.seconds - self.prefill_seconds
+        return {
+            "prompt": self.prompt, "text": self.text, "token_ids": self.token_ids, "new_tokens": n,
+            "prompt_tokens": self.prompt_tokens, "seconds": round(self.seconds, 6),
+            "tokens_per_second": round(n / self.seconds, 3) if self.seconds > 0 else None,
+            "prefill_seconds": round(self.prefill_seconds, 6),
+            "decode_tokens_per_second": round((n - 1) / decode_s, 3) if n > 1 and decode_s > 0 else None,
+            "finish_reason": self.finish_reason, "algorithm": self.algorithm, **self.extra,
+        }
+
+
+class TextStream:
+    """Incremental detokenisation: emits only text that can no longer change (no half characters)."""
+
+    def __init__(self, tokenizer, write: Callable[[str], None] | None):
+        self.tokenizer, self.write = tokenizer, write
+        self.ids: list[int] = []
+        self.shown = 0
+
+    def add(self, ids: list[int]) -> None:
+        self.ids += ids
+        if self.write is None:
+            return
+        text = self.text()
+        if not text.endswith("\ufffd") and len(text) > self.shown:
+            self.write(text[self.shown:])
+            self.shown = len(text)
+
+    def text(self) -> str:
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
+
+
+def encode(tokenizer, prompt: Prompt, chat: bool, target: Path) -> list[int]:
+    from hetero_run.topology.errors import ConfigError
+
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ConfigError("the target's tokenizer has no chat template", file=target, field="--chat")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], add_generation_prompt=True,
+                                             tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(prompt.text)["input_ids"]
+    if not ids:
+        raise ConfigError("the prompt is empty", field=prompt.where)
+    return list(ids)
+
+
+def run_prompts(decoder: Decoder, tokenizer, prompts: list[Prompt], config: GenerateConfig, stop_ids: set[int],
+                context: int, write: Callable[[str], None] | None, emit: Callable[[Result], None]) -> list[Result]:
+    """Encode, generate and report each prompt in turn. `write` streams text (None: don't)."""
+    from hetero_run.runtime.models.kv_cache import KVCacheFull
+
+    results = []
+    for prompt in prompts:
+        ids = encode(tokenizer, prompt, config.chat, config.target)
+        if len(ids) + config.max_new_tokens - 1 > context:
+            raise KVCacheFull(f"{len(ids)} prompt tokens + {config.max_new_tokens} new tokens do not fit the "
+                              f"KV cache of {context} tokens; raise --context or lower --max-new-tokens",
+                              field=prompt.where)
+        stream = TextStream(tokenizer, write)
+        start = time.perf_counter()
+        first = None
+        for new in decoder.generate(ids, config.max_new_tokens, stop_ids):
+            first = first or time.perf_counter()
+            stream.add(new)
+        seconds = time.perf_counter() - start
+        reason = "stop" if stream.ids and stream.ids[-1] in stop_ids else "length"
+        result = Result(prompt.text, stream.text(), stream.ids, len(ids), seconds, (first or start) - start, reason,
+                        decoder.algorithm)
+        emit(result)
+        results.append(result)
+    return results
+
+
+def load_tokenizer(target: Path):
+    from hetero_run.topology.errors import ConfigError
+
+    try:
+        from transformers import AutoTokenizer
+
+        if target.suffix == ".gguf":
+            return AutoTokenizer.from_pretrained(str(target.parent), gguf_file=target.name)
+        return AutoTokenizer.from_pretrained(str(target))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"cannot load the tokenizer: {str(exc).strip().splitlines()[0]}", file=target,
+                          field="--target") from None
+
+
+def stop_token_ids(tokenizer, model_config, target: Path) -> set[int]:
+    """End-of-sequence ids from the tokenizer, config.json and generation_config.json."""
+    ids = set(model_config.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    gen_file = target / "generation_config.json" if target.is_dir() else None
+    if gen_file is not None and gen_file.is_file():
+        try:
+            eos = json.loads(gen_file.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, OSError):
+            eos = None
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return {int(i) for i in ids}
+
+
+def run(args: argparse.Namespace) -> int:
+    from hetero_run.launch.bootstrap import launched
+    from hetero_run.launch.log import get_logger
+    from hetero_run.launch.settings import launch_settings
+
+    log = get_logger(__name__)
+    config = build_config(args)
+    from hetero_run.launch.settings import job_shape
+    from hetero_run.runtime.config import RunConfig
+    from hetero_run.runtime.planner import check_before_load
+
+    run_config = RunConfig(target=str(config.target), topology=getattr(args, "topology", None), context=config.context,
+                           dtype=config.dtype, prefill_chunk=config.prefill_chunk)
+    log.info("%s", check_before_load(run_config, world_size=job_shape()[1]).summary())  # no weight read yet
+    with launched(launch_settings(args)) as dist:
+        from hetero_run.runtime.models.loader import load_model
+        from hetero_run.runtime.models.parallel import ParallelContext
+        from hetero_run.runtime.runner import TargetRunner, serve_worker
+
+        ctx = ParallelContext.from_dist(dist)
+        inputs = together(dist, "read the prompts and tokenizer",
+                          lambda: (read_prompts(args), load_tokenizer(config.target)) if dist.is_driver else None)
+        start = time.perf_counter()
+        model = together(dist, "load the target", lambda: load_model(
+            config.target, ctx, max_tokens=config.context, dtype=config.dtype, prefill_chunk=config.prefill_chunk))
+        log.info("target %s: %s, TP=%d, %.2f GB of weights per rank, KV cache %d tokens, loaded in %.1f s",
+                 config.target.name, model.config.arch, ctx.size, model.weight_nbytes / 1e9, model.max_tokens,
+                 time.perf_counter() - start)
+        if not dist.is_driver:
+            serve_worker(model, ctx)
+            return 0
+        prompts, tokenizer = inputs
+        stop_ids = set() if config.ignore_eos else stop_token_ids(tokenizer, model.config, config.target)
+        with TargetRunner(model, ctx) as runner:
+            run_prompts(make_decoder(config, runner), tokenizer, prompts, config, stop_ids, model.max_tokens,
+                        None if config.json else _write, lambda r: _report(r, config.json, log))
+    return 0
+
+
+def _write(text: str) -> None:
+    import sys
+
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _report(result: Result, as_json: bool, log) -> None:
+    if as_json:
+        print(json.dumps(result.to_json()), flush=True)
+        return
+    _write("\n")
+    r = result.to_json()
+    log.info("%d new tokens (%s) in %.2f s: %.2f tok/s; prompt %d tokens in %.2f s; decode %s tok/s",
+             r["new_tokens"], r["finish_reason"], r["seconds"], r["tokens_per_second"] or 0.0, r["prompt_tokens"],
+             r["prefill_seconds"], r["decode_tokens_per_second"])
+
+
+def together(dist, what: str, step: Callable[[], object]):
+    """Run `step` on every rank; when it fails with a UserError on any rank, every rank stops
+    (exit status 2) instead of waiting for one that gave up."""
+    from hetero_run.topology.errors import UserError
+
+    error, value = None, None
+    try:
+        value = step()
+    except UserError as exc:
+        error = exc
+    if dist.world_size > 1:
+        import torch
+        import torch.distributed as tdist
+
+        flags = torch.zeros(dist.world_size, dtype=torch.int32, device=dist.device)
+        flags[dist.rank] = int(error is not None)
+        tdist.all_reduce(flags, group=dist.group)
+        failed = flags.nonzero().flatten().tolist()
+        if error is None and failed:
+            raise UserError(f"stopping: rank {failed[0]} could not {what} (its message says why)")
+    if error is not None:
+        raise error
+    return value

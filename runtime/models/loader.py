@@ -1,0 +1,292 @@
+"""Build this rank's shard of a target model, reading only this rank's slices of the weights.
+
+Sources: a checkpoint directory (bf16 / fp32 / ModelOpt NVFP4 safetensors), a GGUF file
+(dequantised by transformers into an in-memory model first), or an in-memory Hugging Face
+model or state dict (`TensorSource`), e.g. a same-architecture drafter run at TP size 1.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from hetero_run.runtime.checkpoint import Checkpoint, CheckpointError, TensorMeta
+from hetero_run.runtime.models.attention import Attention
+from hetero_run.runtime.models.config import ModelConfig
+from hetero_run.runtime.models.decoder import DecoderLayer, TargetModel
+from hetero_run.runtime.models.embedding import ParallelLMHead, VocabParallelEmbedding
+from hetero_run.runtime.models.kv_cache import KVCache
+from hetero_run.runtime.models.linear import ColumnParallelLinear, RowParallelLinear
+from hetero_run.runtime.models.mlp import GatedMLP
+from hetero_run.runtime.models.moe import Expert, SparseMoE
+from hetero_run.runtime.models.parallel import ParallelContext
+from hetero_run.runtime.models.rotary import Rotary
+from hetero_run.runtime.weights import DenseWeight, concat_out, load_linear
+from hetero_run.topology.errors import ConfigError
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+class TensorSource(Checkpoint):
+    """A `Checkpoint` over in-memory tensors (a transformers model's state dict): the same
+    `config`, `quant` (None), `has`, `meta`, `expect` and `read(name, dim=, part=)`."""
+
+    def __init__(self, config: dict, named: dict[str, torch.Tensor], path: str | Path = "<in-memory model>"):
+        named = _split_fused_experts(named)
+        path = Path(path)
+        metas = {n: TensorMeta(n, t.dtype, tuple(t.shape), path) for n, t in named.items()}
+        super().__init__(path, config, None, metas)
+        self.named = named
+
+    @classmethod
+    def from_module(cls, model) -> TensorSource:
+        """From a transformers model (`model.config`, `model.state_dict()`)."""
+        config = model.config.to_dict()
+        return cls(config, dict(model.state_dict()), f"<in-memory {config.get('model_type')} model>")
+
+    def read(self, name: str, dim: int | None = None, part: tuple[int, int] | None = None) -> torch.Tensor:
+        t = self.named[self.meta(name).name]
+        if dim is not None and part is not None and part[1] > 1:
+            index, count = part
+            if t.shape[dim] % count:
+                raise CheckpointError(f"tensor {name!r} dimension {dim} has size {t.shape[dim]}, "
+                                      f"not divisible into {count} parts", file=self.path)
+            step = t.shape[dim] // count
+            t = t.narrow(dim, index * step, step)
+        t = t.detach().contiguous()
+        self.bytes_read += t.nbytes
+        return t
+
+
+def _split_fused_experts(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5 keeps a MoE layer's experts as 3-D `experts.gate_up_proj` [E, 2I, H] and
+    `experts.down_proj` [E, H, I]; checkpoints name them per expert. Views, no copies."""
+    out = {}
+    for name, t in named.items():
+        if name.endswith(".experts.gate_up_proj") and t.dim() == 3:
+            base, half = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.gate_proj.weight"] = t[e, :half]
+                out[f"{base}{e}.up_proj.weight"] = t[e, half:]
+        elif name.endswith(".experts.down_proj") and t.dim() == 3:
+            base = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+class OwnedReads:
+    """A checkpoint whose reads own their memory.
+
+    Checkpoint.read returns views of the memory-mapped file; a weight kept as such a view
+    keeps every page it touched resident (a row-parallel slice touches the whole tensor), and
+    fused weights would hold both the copy and the mapped original. Copying each slice and
+    closing the file after every layer leaves exactly this rank's weights in memory.
+    """
+
+    piece_bytes = 64 << 20  # big row-wise reads (embedding, lm_head) go in pieces of about this size
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+
+    def __getattr__(self, name: str):  # everything but read: the checkpoint's own
+        return getattr(self.ckpt, name)
+
+    def read(self, name: str, dim: int | None = None, part: tuple[int, int] | None = None) -> torch.Tensor:
+        meta = self.ckpt.meta(name)
+        index, count = part if dim is not None and part is not None else (0, 1)
+        pieces = self._pieces(meta, count) if dim in (None, 0) else 1
+        if pieces == 1:
+            return self.ckpt.read(name, dim=dim, part=part).clone(memory_format=torch.contiguous_format)
+        rows = meta.shape[0] // count
+        out = torch.empty((rows, *meta.shape[1:]), dtype=meta.dtype)
+        step = rows // pieces
+        for j in range(pieces):  # e.g. rank 1 of 2 in 4 pieces reads eighths 4, 5, 6, 7
+            out[j * step:(j + 1) * step] = self.ckpt.read(name, dim=0, part=(index * pieces + j, count * pieces))
+            self.ckpt.close()
+        return out
+
+    def _pieces(self, meta, count: int) -> int:
+        if not meta.shape or meta.shape[0] % count:
+            return 1
+        rows, want = meta.shape[0] // count, -(-meta.nbytes // count // self.piece_bytes)
+        return next((k for k in range(want, min(rows, 4 * want) + 1) if rows % k == 0), 1)
+
+
+def open_source(source) -> Checkpoint:
+    """A checkpoint directory, a .gguf file, a transformers model, or an already open source."""
+    if isinstance(source, Checkpoint):
+        return source
+    if isinstance(source, (str, Path)):
+        path = Path(source)
+        if path.suffix == ".gguf":
+            return _gguf_source(path)
+        return Checkpoint.open(path)
+    if hasattr(source, "state_dict") and hasattr(source, "config"):
+        return TensorSource.from_module(source)
+    raise TypeError(f"cannot load a model from {type(source).__name__}")
+
+
+def _gguf_source(path: Path) -> TensorSource:
+    if not path.is_file():
+        raise CheckpointError("GGUF file not found", file=path)
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    except (ValueError, OSError, KeyError) as exc:
+        raise CheckpointError(f"cannot load GGUF: {str(exc).splitlines()[0]}", file=path) from None
+    return TensorSource(model.config.to_dict(), dict(model.state_dict()), path)
+
+
+def resolve_dtype(dtype: str | torch.dtype, src: Checkpoint) -> torch.dtype:
+    """"auto": float32 for float32 weights, else bfloat16 (NVFP4 runs with bf16 activations)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ConfigError(f"expected auto, bf16, fp16 or fp32, got {dtype!r}", field="dtype")
+        return DTYPES[dtype]
+    if src.quant is not None:
+        return torch.bfloat16
+    name = "model.embed_tokens.weight"
+    stored = src.meta(name).dtype if src.has(name) else torch.bfloat16
+    return torch.float32 if stored == torch.float32 else torch.bfloat16
+
+
+def kv_head_split(num_kv_heads: int, ctx: ParallelContext) -> tuple[int, int, int]:
+    """(part index, part count, KV heads per rank). Fewer KV heads than ranks: each rank keeps
+    the one KV head its query heads read, e.g. 2 KV heads at TP=4: ranks 0, 1 -> head 0."""
+    if num_kv_heads % ctx.size == 0:
+        return ctx.rank, ctx.size, num_kv_heads // ctx.size
+    if ctx.size % num_kv_heads == 0:
+        return ctx.rank // (ctx.size // num_kv_heads), num_kv_heads, 1
+    raise ConfigError(f"{num_kv_heads} KV heads cannot be split or replicated over {ctx.size} ranks",
+                      field="tensor_parallel")
+
+
+DEFAULT_CONTEXT = 32768
+
+
+def load_model(source, ctx: ParallelContext | None = None, *, max_tokens: int | None = None,
+               dtype: str | torch.dtype = "auto", prefill_chunk: int = 512) -> TargetModel:
+    """This rank's `TargetModel` with a KV cache of `max_tokens` slots (default
+    min(32768, the model's max_position_embeddings))."""
+    ctx = ctx or ParallelContext.single()
+    src = open_source(source)
+    where = src.path if isinstance(src, TensorSource) else src.path / "config.json"
+    config = ModelConfig.from_hf(src.config, source=str(where))
+    if max_tokens is None:
+        max_tokens = min(DEFAULT_CONTEXT, config.max_positions)
+    reads = src if isinstance(src, TensorSource) else OwnedReads(src)  # in-memory tensors are shared, not copied
+    try:
+        return _Builder(reads, config, ctx, resolve_dtype(dtype, src)).model(max_tokens, prefill_chunk)
+    finally:
+        src.close()
+        _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Loading frees many transient copies; glibc keeps such heap pages unless asked to trim."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+class _Builder:
+    def __init__(self, src, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype):
+        self.src, self.cfg, self.ctx, self.dtype = src, config, ctx, dtype
+        self.heads = ctx.split(config.num_heads, "num_attention_heads")
+        self.kv_part, self.kv_parts, self.kv_heads = kv_head_split(config.num_kv_heads, ctx)
+        ctx.split(config.vocab_size, "vocab_size")
+        self.col = (0, ctx.rank, ctx.size)  # output rows of a column-parallel weight
+        self.row = (1, ctx.rank, ctx.size)  # input columns of a row-parallel weight
+
+    def tensor(self, name: str, shape: tuple[int, ...], shard: tuple[int, int, int] | None = None) -> torch.Tensor:
+        """A norm, bias or embedding (its full `shape` is checked), or this rank's part of it."""
+        self.src.expect(name, shape=shape)
+        if shard is None:
+            t = self.src.read(name)
+        else:
+            t = self.src.read(name, dim=shard[0], part=shard[1:])
+        return t.to(device=self.ctx.device, dtype=self.dtype).contiguous()
+
+    def linear(self, prefix: str, shape: tuple[int, int], shard):
+        weight = load_linear(self.src, prefix, shard=shard, dtype=self.dtype, shape=shape)
+        return weight if self.ctx.device.type == "cpu" else weight.to(self.ctx.device)
+
+    def model(self, max_tokens: int, prefill_chunk: int) -> TargetModel:
+        cfg, ctx, hidden = self.cfg, self.ctx, self.cfg.hidden_size
+        kv = KVCache(cfg.num_layers, self.kv_heads, cfg.head_dim, max_tokens, self.dtype, ctx.device)
+        rotary = Rotary(cfg.rope, cfg.head_dim, max_tokens, self.dtype, ctx.device)
+        embed = self.tensor("model.embed_tokens.weight", (cfg.vocab_size, hidden), self.col)
+        embed = VocabParallelEmbedding(embed, ctx)
+        layers = []
+        for i in range(cfg.num_layers):
+            layers.append(self.layer(i, kv, rotary))
+            self.src.close()  # unmaps what this layer read ...
+            _return_freed_memory()  # ... and hands its transient copies back: the peak stays near the total
+        norm = self.tensor("model.norm.weight", (hidden,))
+        tied = cfg.tie_word_embeddings or not self.src.has("lm_head.weight")
+        head = DenseWeight(embed.weight) if tied else self.linear("lm_head", (cfg.vocab_size, hidden), self.col)
+        return TargetModel(cfg, ctx, embed, layers, norm, ParallelLMHead(head, ctx, tied), kv, rotary, self.dtype,
+                           prefill_chunk)
+
+    def layer(self, i: int, kv: KVCache, rotary: Rotary) -> DecoderLayer:
+        cfg, p, hidden = self.cfg, f"model.layers.{i}", (self.cfg.hidden_size,)
+        mlp = self.moe(f"{p}.mlp") if cfg.is_sparse(i) else self.mlp(f"{p}.mlp", cfg.intermediate_size)
+        return DecoderLayer(self.tensor(f"{p}.input_layernorm.weight", hidden),
+                            self.attention(f"{p}.self_attn", i, kv, rotary),
+                            self.tensor(f"{p}.post_attention_layernorm.weight", hidden), mlp, cfg.rms_norm_eps)
+
+    def attention(self, p: str, i: int, kv: KVCache, rotary: Rotary) -> Attention:
+        cfg, hidden = self.cfg, self.cfg.hidden_size
+        q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        kv_shard = (0, self.kv_part, self.kv_parts)
+        qkv = concat_out([self.linear(f"{p}.q_proj", (q_out, hidden), self.col),
+                          self.linear(f"{p}.k_proj", (kv_out, hidden), kv_shard),
+                          self.linear(f"{p}.v_proj", (kv_out, hidden), kv_shard)])
+        bias = None
+        if cfg.qkv_bias:
+            bias = torch.cat([self.tensor(f"{p}.q_proj.bias", (q_out,), self.col),
+                              self.tensor(f"{p}.k_proj.bias", (kv_out,), kv_shard),
+                              self.tensor(f"{p}.v_proj.bias", (kv_out,), kv_shard)])
+        o = self.linear(f"{p}.o_proj", (hidden, q_out), self.row)
+        o_bias = self.tensor(f"{p}.o_proj.bias", (hidden,)) if cfg.o_bias else None
+        q_norm = k_norm = None
+        if cfg.qk_norm:
+            q_norm = self.tensor(f"{p}.q_norm.weight", (cfg.head_dim,))
+            k_norm = self.tensor(f"{p}.k_norm.weight", (cfg.head_dim,))
+        return Attention(ColumnParallelLinear(qkv, bias), RowParallelLinear(o, self.ctx, o_bias), rotary, self.heads,
+                         self.kv_heads, cfg.head_dim, kv.k[i], kv.v[i], q_norm, k_norm, cfg.rms_norm_eps)
+
+    def mlp(self, p: str, intermediate: int) -> GatedMLP:
+        hidden = self.cfg.hidden_size
+        self.ctx.split(intermediate, "intermediate_size")
+        gate_up = concat_out([self.linear(f"{p}.gate_proj", (intermediate, hidden), self.col),
+                              self.linear(f"{p}.up_proj", (intermediate, hidden), self.col)])
+        bias = down_bias = None
+        if self.cfg.mlp_bias:
+            bias = torch.cat([self.tensor(f"{p}.gate_proj.bias", (intermediate,), self.col),
+                              self.tensor(f"{p}.up_proj.bias", (intermediate,), self.col)])
+            down_bias = self.tensor(f"{p}.down_proj.bias", (hidden,))
+        down = self.linear(f"{p}.down_proj", (hidden, intermediate), self.row)
+        return GatedMLP(ColumnParallelLinear(gate_up, bias), RowParallelLinear(down, self.ctx, down_bias))
+
+    def moe(self, p: str) -> SparseMoE:
+        cfg, hidden, inter = self.cfg, self.cfg.hidden_size, self.cfg.moe_intermediate_size
+        self.ctx.split(inter, "moe_intermediate_size")
+        experts = []
+        for e in range(cfg.num_experts):
+            q = f"{p}.experts.{e}"
+            gate_up = concat_out([self.linear(f"{q}.gate_proj", (inter, hidden), self.col),
+                                  self.linear(f"{q}.up_proj", (inter, hidden), self.col)])
+            experts.append(Expert(gate_up, self.linear(f"{q}.down_proj", (hidden, inter), self.row)))
+        router = self.tensor(f"{p}.gate.weight", (cfg.num_experts, hidden))
+        return SparseMoE(router, experts, cfg.experts_per_token, cfg.norm_topk_prob, self.ctx)

@@ -1,0 +1,22 @@
+"""The gated SiLU MLP: fused column-parallel gate/up, row-parallel down (one all-reduce)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hetero_run.runtime.models.linear import ColumnParallelLinear, RowParallelLinear
+
+
+class GatedMLP:
+    def __init__(self, gate_up: ColumnParallelLinear, down: RowParallelLinear):
+        self.gate_up = gate_up  # [n, hidden] -> [n, 2 * intermediate_local]: gate rows, then up rows
+        self.down = down
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate, inplace=True).mul_(up))
