@@ -1,0 +1,82 @@
+"""The real CPU pair (slow): every algorithm, greedy, token-identical to the target alone.
+
+Target Qwen2.5-Coder-0.5B-Instruct through the runtime's model code (TargetRunner, TP=1) in
+float32: token identity needs logits that do not depend on how many tokens share a forward,
+which the float32 path gives (bf16 kernels differ between one-token and k+1-token forwards);
+drafters SmolLM2-135M-Instruct (runtime model code, NVFP4 weights; another vocabulary, GPT-2
+style BPE) and Gemma 3 270M (transformers; SentencePiece with byte fallback). Needs the pair's
+files (`hetero-run fetch cpu-pair --dest DIR`) in $HETERO_RUN_PAIR (default /work/pair).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hetero_run.runtime.drafters.load import load_drafter
+from hetero_run.runtime.driver import SpeculativeEngine
+from hetero_run.runtime.speculative.config import SpeculationConfig
+
+pytestmark = pytest.mark.slow
+PAIR = Path(os.environ.get("HETERO_RUN_PAIR", "/work/pair"))
+TARGET = PAIR / "qwen2.5-coder-0.5b-instruct.gguf"
+SMOL = PAIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA = PAIR / "gemma-3-270m-q4_k_m.gguf"
+PROMPTS = ["Write a Python function that checks whether a number is prime.",
+           "Explain in one sentence what a hash map is. Then say «done» — 完成."]
+NEW_TOKENS = 32
+
+
+def _need(path: Path) -> None:
+    if not path.is_file():
+        pytest.skip(f"{path} is not here (fetch the CPU pair first)")
+
+
+@functools.cache
+def target():
+    from transformers import AutoTokenizer
+
+    from hetero_run.runtime.models.loader import load_model
+    from hetero_run.runtime.runner import TargetRunner
+
+    _need(TARGET)
+    tokenizer = AutoTokenizer.from_pretrained(str(PAIR), gguf_file=TARGET.name)
+    return TargetRunner(load_model(TARGET, max_tokens=1024, dtype="fp32")), tokenizer
+
+
+@functools.cache
+def drafter(path: Path):
+    _need(path)
+    return load_drafter(path, dtype=torch.bfloat16, weights="nvfp4")
+
+
+@functools.cache
+def reference(prompt: str) -> list[int]:
+    runner, tokenizer = target()
+    return SpeculativeEngine(runner, tokenizer, None, SpeculationConfig(algorithm="none")).generate(
+        prompt, NEW_TOKENS, chat=True).token_ids
+
+
+@pytest.mark.parametrize("algorithm", ["slem", "tli", "slrs", "auto"])
+def test_smollm2_drafting_for_qwen_is_lossless(algorithm):
+    runner, tokenizer = target()
+    engine = SpeculativeEngine(runner, tokenizer, drafter(SMOL), SpeculationConfig(algorithm=algorithm))
+    accepted = 0
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, NEW_TOKENS, chat=True)
+        assert result.token_ids == reference(prompt), (algorithm, prompt)
+        accepted += result.accepted
+    if algorithm != "auto":
+        assert accepted > 0
+
+
+@pytest.mark.parametrize("algorithm", ["slem", "tli"])
+def test_gemma_drafting_for_qwen_is_lossless(algorithm):
+    runner, tokenizer = target()
+    engine = SpeculativeEngine(runner, tokenizer, drafter(GEMMA), SpeculationConfig(algorithm=algorithm))
+    for prompt in PROMPTS:
+        assert engine.generate(prompt, NEW_TOKENS, chat=True).token_ids == reference(prompt), (algorithm, prompt)
