@@ -14,7 +14,7 @@ import sys
 from hetero_run.launch.log import get_logger, setup_logging
 from hetero_run.topology.errors import PeerFailure, UserError
 
-SUBCOMMANDS = ("doctor",)
+SUBCOMMANDS = ("doctor", "topology_cmd", "plan", "generate", "convert", "fetch")
 
 log = get_logger(__name__)
 
@@ -28,6 +28,11 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
                        help="debug logs; ranks other than 0 log too")
     group.add_argument("--log-dir", metavar="DIR",
                        help="also write every rank's full log to DIR/rank<N>.log")
+    group.add_argument("--topology", metavar="FILE",
+                       help="topology YAML: each rank binds its transports to its node's QSFP interfaces "
+                       "(docs/topology.md)")
+    group.add_argument("--hostfile", metavar="FILE",
+                       help="the OpenMPI hostfile given to mpirun, checked against --topology")
 
 
 def build_parser() -> argparse.ArgumentParser:
