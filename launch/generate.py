@@ -2,11 +2,14 @@
 
     hetero-run generate --target DIR|FILE.gguf --prompt TEXT [--chat] [--json]
     mpirun -np 2 ... hetero-run generate --target DIR --prompts-file PROMPTS.jsonl --json
+    mpirun -np 2 ... hetero-run generate --target DIR --drafter SMALL.gguf --algorithm auto --compare
 
 Every rank loads its shard of the target; rank 0 also holds the tokenizer, runs the decode loop
 and streams the text (or prints one JSON object per prompt with --json); the other ranks serve
-the forwards rank 0 asks for. Sampling (temperature, top-p, top-k) is seeded per prompt, so the
-same seed gives the same text at any tensor-parallel size.
+the forwards rank 0 asks for. With --drafter, rank 0 also holds the drafter and decodes
+speculatively (launch/speculate.py); the output stays the target's. Sampling (temperature,
+top-p, top-k) is seeded per prompt, so the same seed gives the same text at any
+tensor-parallel size.
 
 A prompts file holds one JSON object per line: {"prompt": "..."}; blank lines are skipped.
 """
@@ -21,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from hetero_run.launch import speculate
+
 NAME = "generate"
-HELP = "generate text with the target model alone (one rank, or tensor-parallel under mpirun)"
+HELP = "generate text with the target, alone or with a speculative drafter (one rank, or tensor-parallel)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,6 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per sequence the KV cache holds (default min(32768, the model's maximum))")
     parser.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prompt tokens per forward")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
+    speculate.add_arguments(parser)
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,13 @@ class GenerateConfig:
     dtype: str = "auto"
     context: int | None = None  # KV cache slots; None: min(32768, the model's maximum)
     prefill_chunk: int = 512
-    algorithm: str = "none"
+    speculation: object = None  # runtime.speculative.config.SpeculationConfig
+    drafter: Path | None = None
+    compare: bool = False
+
+    @property
+    def algorithm(self) -> str:
+        return self.speculation.algorithm if self.speculation is not None else "none"
 
     def __post_init__(self):
         from hetero_run.topology.errors import ConfigError
@@ -88,7 +100,8 @@ def build_config(args: argparse.Namespace) -> GenerateConfig:
     return GenerateConfig(
         target=Path(args.target), sampling=sampling, max_new_tokens=args.max_new_tokens, chat=args.chat,
         json=args.json, ignore_eos=args.ignore_eos, dtype=args.dtype, context=args.context,
-        prefill_chunk=args.prefill_chunk,
+        prefill_chunk=args.prefill_chunk, speculation=speculate.speculation_config(args),
+        drafter=Path(args.drafter) if args.drafter else None, compare=args.compare,
     )
 
 
@@ -125,12 +138,14 @@ def read_prompts(args: argparse.Namespace) -> list[Prompt]:
 
 
 class Decoder(Protocol):
-    """What generates tokens for one prompt on rank 0; a speculative driver is another one."""
+    """What generates tokens for one prompt on rank 0: the target alone, or the speculative engine."""
 
     algorithm: str
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> Iterator[list[int]]:
-        """Yield the new token ids as they are decided (one or more at a time)."""
+    def generate(self, prompt, max_new_tokens: int, stop_ids: set[int],
+                 on_tokens: Callable[[list[int]], None]) -> dict:
+        """Generate for `prompt` (a runtime.speculative.prompt.Prompt holding the target's ids),
+        passing new token ids to `on_tokens` as they are decided; -> extra JSON fields."""
         ...
 
 
@@ -142,7 +157,13 @@ class TargetOnly:
     def __init__(self, runner, sampling):
         self.runner, self.sampling = runner, sampling
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> Iterator[list[int]]:
+    def generate(self, prompt, max_new_tokens: int, stop_ids: set[int],
+                 on_tokens: Callable[[list[int]], None]) -> dict:
+        for ids in self.tokens(list(prompt.target_ids), max_new_tokens, stop_ids):
+            on_tokens(ids)
+        return {}
+
+    def tokens(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> Iterator[list[int]]:
         import torch
 
         from hetero_run.kernels.sampling import logits_to_probs, sample
@@ -160,9 +181,12 @@ class TargetOnly:
             logits = runner.forward(torch.tensor([token]), torch.tensor([n + step]))
 
 
-def make_decoder(config: GenerateConfig, runner) -> Decoder:
-    """The decoder for config.algorithm (speculative algorithms register here)."""
-    return TargetOnly(runner, config.sampling)
+def make_decoder(config: GenerateConfig, runner, tokenizer=None, drafter=None) -> Decoder:
+    """The target alone, or the speculative engine when there is a drafter."""
+    if drafter is None:
+        return TargetOnly(runner, config.sampling)
+    return speculate.SpeculativeDecoder(runner, tokenizer, drafter, config.speculation, config.sampling,
+                                        live=not config.json)
 
 
 @dataclass
@@ -176,6 +200,10 @@ class Result:
     finish_reason: str  # "stop" (end-of-sequence token) or "length"
     algorithm: str
     extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds > 0 else 0.0
 
     def to_json(self) -> dict:
         n = len(self.token_ids)
@@ -228,9 +256,13 @@ def encode(tokenizer, prompt: Prompt, chat: bool, target: Path) -> list[int]:
 
 
 def run_prompts(decoder: Decoder, tokenizer, prompts: list[Prompt], config: GenerateConfig, stop_ids: set[int],
-                context: int, write: Callable[[str], None] | None, emit: Callable[[Result], None]) -> list[Result]:
-    """Encode, generate and report each prompt in turn. `write` streams text (None: don't)."""
+                context: int, write: Callable[[str], None] | None, emit: Callable[[Result], None],
+                baseline: Decoder | None = None) -> list[Result]:
+    """Encode, generate and report each prompt in turn. `write` streams text (None: don't).
+    With a `baseline` decoder (--compare), each prompt runs through it first, silently, and the
+    result says how much faster `decoder` was and whether the outputs are identical."""
     from hetero_run.runtime.models.kv_cache import KVCacheFull
+    from hetero_run.runtime.speculative.prompt import Prompt as EnginePrompt
 
     results = []
     for prompt in prompts:
@@ -239,19 +271,40 @@ def run_prompts(decoder: Decoder, tokenizer, prompts: list[Prompt], config: Gene
             raise KVCacheFull(f"{len(ids)} prompt tokens + {config.max_new_tokens} new tokens do not fit the "
                               f"KV cache of {context} tokens; raise --context or lower --max-new-tokens",
                               field=prompt.where)
-        stream = TextStream(tokenizer, write)
-        start = time.perf_counter()
-        first = None
-        for new in decoder.generate(ids, config.max_new_tokens, stop_ids):
-            first = first or time.perf_counter()
-            stream.add(new)
-        seconds = time.perf_counter() - start
-        reason = "stop" if stream.ids and stream.ids[-1] in stop_ids else "length"
-        result = Result(prompt.text, stream.text(), stream.ids, len(ids), seconds, (first or start) - start, reason,
-                        decoder.algorithm)
+        # the drafter reads the conversation (or text) its own way; the target reads exactly `ids`
+        request = EnginePrompt(messages=({"role": "user", "content": prompt.text},), target_ids=tuple(ids)) \
+            if config.chat else EnginePrompt(text=prompt.text, target_ids=tuple(ids))
+        reference = _generate(baseline, tokenizer, prompt, request, len(ids), config, stop_ids, None) \
+            if baseline is not None else None
+        result = _generate(decoder, tokenizer, prompt, request, len(ids), config, stop_ids, write)
+        if reference is not None:
+            result.extra.update(
+                target_alone_tokens_per_second=round(reference.tokens_per_second, 3),
+                speedup=round(reference.seconds / result.seconds, 3) if result.seconds > 0 else None,
+                identical=result.token_ids == reference.token_ids,
+            )
         emit(result)
         results.append(result)
     return results
+
+
+def _generate(decoder: Decoder, tokenizer, prompt: Prompt, request, prompt_tokens: int, config: GenerateConfig,
+              stop_ids: set[int], write: Callable[[str], None] | None) -> Result:
+    stream = TextStream(tokenizer, write)
+    start = time.perf_counter()
+    first = None
+
+    def on_tokens(new: list[int]) -> None:
+        nonlocal first
+        first = first or time.perf_counter()
+        stream.add(new)
+
+    extra = dict(decoder.generate(request, config.max_new_tokens, stop_ids, on_tokens))
+    seconds = time.perf_counter() - start
+    prefill = extra.pop("prefill_seconds", (first or start) - start)  # a decoder that knows better says so
+    reason = "stop" if stream.ids and stream.ids[-1] in stop_ids else "length"
+    return Result(prompt.text, stream.text(), stream.ids, prompt_tokens, seconds, prefill, reason, decoder.algorithm,
+                  extra)
 
 
 def load_tokenizer(target: Path):
@@ -295,7 +348,8 @@ def run(args: argparse.Namespace) -> int:
     from hetero_run.runtime.planner import check_before_load
 
     run_config = RunConfig(target=str(config.target), topology=getattr(args, "topology", None), context=config.context,
-                           dtype=config.dtype, prefill_chunk=config.prefill_chunk)
+                           dtype=config.dtype, prefill_chunk=config.prefill_chunk,
+                           drafter=str(config.drafter) if config.drafter else None)
     log.info("%s", check_before_load(run_config, world_size=job_shape()[1]).summary())  # no weight read yet
     with launched(launch_settings(args)) as dist:
         from hetero_run.runtime.models.loader import load_model
@@ -311,15 +365,20 @@ def run(args: argparse.Namespace) -> int:
         log.info("target %s: %s, TP=%d, %.2f GB of weights per rank, KV cache %d tokens, loaded in %.1f s",
                  config.target.name, model.config.arch, ctx.size, model.weight_nbytes / 1e9, model.max_tokens,
                  time.perf_counter() - start)
+        drafter = together(dist, "load the drafter",
+                           lambda: speculate.load(args, model.max_tokens, config.dtype) if dist.is_driver else None)
         if not dist.is_driver:
             serve_worker(model, ctx)
             return 0
         prompts, tokenizer = inputs
         stop_ids = set() if config.ignore_eos else stop_token_ids(tokenizer, model.config, config.target)
         with TargetRunner(model, ctx) as runner:
-            run_prompts(make_decoder(config, runner), tokenizer, prompts, config, stop_ids, model.max_tokens,
-                        None if config.json else _write, lambda r: _report(r, config.json, log))
+            decoder = make_decoder(config, runner, tokenizer, drafter)  # a bad pairing fails here; workers get STOP
+            baseline = TargetOnly(runner, config.sampling) if config.compare else None
+            run_prompts(decoder, tokenizer, prompts, config, stop_ids, model.max_tokens,
+                        None if config.json else _write, lambda r: _report(r, config.json, log), baseline)
     return 0
+
 
 
 def _write(text: str) -> None:
@@ -338,6 +397,15 @@ def _report(result: Result, as_json: bool, log) -> None:
     log.info("%d new tokens (%s) in %.2f s: %.2f tok/s; prompt %d tokens in %.2f s; decode %s tok/s",
              r["new_tokens"], r["finish_reason"], r["seconds"], r["tokens_per_second"] or 0.0, r["prompt_tokens"],
              r["prefill_seconds"], r["decode_tokens_per_second"])
+    if "speedup" in r:
+        from hetero_run.launch.log import console
+
+        same = "[green]yes[/]" if r["identical"] else "[red]NO[/]"
+        console().print(
+            f"[bold]{r['algorithm']}[/]: {r['tokens_per_second']:.2f} tok/s, target alone "
+            f"{r['target_alone_tokens_per_second']:.2f} tok/s: [bold]speed-up {r['speedup']:.2f}x[/]; acceptance "
+            f"{r.get('acceptance_rate', 0.0):.1%}, {r.get('tokens_per_round', 1.0):.2f} tokens/round; output identical "
+            f"to the target alone: {same}")
 
 
 def together(dist, what: str, step: Callable[[], object]):

@@ -21,6 +21,7 @@ import torch
 from hetero_run.kernels.sampling import SamplingParams
 from hetero_run.runtime.drafters.load import Drafter
 from hetero_run.runtime.drafters.threads import calibrate_threads
+from hetero_run.runtime.eagle3 import is_eagle3
 from hetero_run.runtime.models.kv_cache import KVCacheFull
 from hetero_run.runtime.speculative.adaptive import DraftLength
 from hetero_run.runtime.speculative.config import SpeculationConfig
@@ -48,7 +49,7 @@ class SpeculativeEngine:
         self.target, self.drafter = target, drafter
         self.config = config or SpeculationConfig(algorithm="auto" if drafter else "none")
         self.pairing = Pairing(target_tokenizer, drafter.tokenizer if drafter else None, self.config.window)
-        check_algorithm(self.config.algorithm, drafter is not None, self.pairing.same_vocab)
+        check_algorithm(self.config.algorithm, drafter is not None, self.pairing.same_vocab, is_eagle3(drafter))
         self.drafter_threads = None
         if drafter is not None and self.config.algorithm != "none":
             threads = self.config.drafter_threads
@@ -97,7 +98,8 @@ class _Generation:
         self.verifier = RejectionSampler(sampling, generator)
         target.truncate(0)
         n = self.prompt_tokens
-        logits = target.forward(torch.tensor(self.target_ids, dtype=torch.long), torch.arange(n))[-1:]  # [1, vocab]
+        # the prompt's last row only, exactly as the target alone computes it
+        logits = target.forward(torch.tensor(self.target_ids, dtype=torch.long), torch.arange(n), num_logits=1)
         context = None
         if engine.drafter is not None and self.config.algorithm != "none":
             context = DraftContext(engine.drafter.model, pairing.drafter_retokenizer,
@@ -123,14 +125,16 @@ class _Generation:
         self.prefill_seconds = time.perf_counter() - self.start
         self.decode_start = time.perf_counter()
         kept = self._append(first)
-        self.pending_text = pairing.target_table.decode(kept)  # streamed with the first round's text
+        self.pending_ids = kept  # the prompt forward's token: streamed with the first round's
+        self.pending_text = pairing.target_table.decode(kept)
         self.position = n
 
     def _algorithms(self, sampling: SamplingParams) -> list[str]:
         config, pairing = self.config, self.engine.pairing
         if config.algorithm != "auto":
             return [config.algorithm]
-        return candidates(self.engine.drafter is not None, pairing.same_vocab, sampling.greedy)
+        return candidates(self.engine.drafter is not None, pairing.same_vocab, sampling.greedy,
+                          is_eagle3(self.engine.drafter))
 
     @property
     def last_token(self) -> int:
@@ -187,6 +191,7 @@ class _Generation:
         data = self.pending_text + self.engine.pairing.target_table.decode(kept)
         complete = utf8_complete(data)
         self.pending_text = data[complete:]
+        kept, self.pending_ids = self.pending_ids + kept, []
         return RoundStats(len(self.algorithms), name, k, plan.k, len(emitted) - 1, kept,
                           data[:complete].decode("utf-8", "replace"), len(self.token_ids),
                           time.perf_counter() - self.start, self.accepted / max(1, self.drafted),

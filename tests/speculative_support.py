@@ -135,12 +135,12 @@ class HFTarget:
         self.calls = 0
 
     @torch.inference_mode()
-    def forward(self, target_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, target_ids: torch.Tensor, positions: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
         assert int(positions[0]) == self.length, (int(positions[0]), self.length)
         out = self.model(input_ids=target_ids[None], position_ids=positions[None], cache=self.cache, use_cache=True)
         self.length += target_ids.numel()
         self.calls += 1
-        return out.logits[0].float()
+        return out.logits[0, -(num_logits or target_ids.numel()):].float()
 
     def truncate(self, length: int) -> None:
         assert 0 <= length <= self.length

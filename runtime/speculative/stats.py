@@ -14,7 +14,8 @@ class RoundStats:
     draft_len: int  # k asked for this round (the algorithm's unit)
     drafted: int  # draft target tokens verified this round
     accepted: int  # of them accepted
-    token_ids: list[int]  # target tokens emitted this round (after stop / length cuts)
+    token_ids: list[int]  # target tokens emitted this round (after stop / length cuts; the first round's
+    # start with the token the prompt's forward decided)
     text: str  # their text (whole characters only; a split character waits for the next round)
     new_tokens: int  # so far
     seconds: float  # since the first round started

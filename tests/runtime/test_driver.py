@@ -112,6 +112,7 @@ def test_round_stats_stream_the_text():
     rounds = []
     result = engine("slem", "sentencepiece").generate(PROMPTS[2], 40, on_round=rounds.append, stop_ids=set())
     assert "".join(r.text for r in rounds) == support.byte_level().decode(result.token_ids)
+    assert [t for r in rounds for t in r.token_ids] == result.token_ids
     assert rounds[-1].new_tokens == result.new_tokens and rounds[-1].round == result.rounds
     assert 0 <= rounds[-1].acceptance_rate <= 1 and rounds[-1].tokens_per_second > 0
 
