@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
 import torch
 
-PAIR = Path("/work/pair")
+PAIR = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hetero-run" / "cpu-pair"  # fetch's
 PROMPTS = (
     "Write a Python function that checks whether a number is prime.",
     "Write a Python function that returns the nth Fibonacci number iteratively.",

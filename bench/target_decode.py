@@ -25,7 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_GGUF = Path("/work/pair/qwen2.5-coder-0.5b-instruct.gguf")
+DEFAULT_GGUF = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hetero-run" / "cpu-pair" \
+    / "qwen2.5-coder-0.5b-instruct.gguf"  # `hetero-run fetch cpu-pair`
 PROMPTS = (  # the reference measurement's three coding prompts (chat template)
     "Write a Python function that checks whether a number is prime.",
     "Write a Python function that returns the nth Fibonacci number iteratively.",

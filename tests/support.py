@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 BIN = Path(sys.executable).parent
+# The real CPU pair (`hetero-run fetch cpu-pair`); tests that need it skip where it is absent.
+PAIR = Path(os.environ.get("HETERO_RUN_PAIR")
+            or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hetero-run" / "cpu-pair")
 
 
 @dataclass

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from support import PAIR
 from tiny_models import tiny_checkpoint, tiny_tokenizer, write_tiny_gguf
 from transformers import AutoTokenizer
 
@@ -108,7 +109,7 @@ def test_bad_sources_are_one_line_errors(run_cli, tmp_path, kind):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-REAL_TARGET = Path("/work/pair/qwen2.5-coder-0.5b-instruct.gguf")
+REAL_TARGET = PAIR / "qwen2.5-coder-0.5b-instruct.gguf"
 
 
 @pytest.mark.slow

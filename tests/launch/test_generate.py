@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support import PAIR
 from tiny_models import reference_model, tiny_checkpoint, tiny_tokenizer
 
 from hetero_run.kernels.sampling import SamplingParams
@@ -13,7 +14,7 @@ from hetero_run.runtime.models.loader import load_model
 from hetero_run.runtime.runner import TargetRunner
 
 PROMPTS = ["def add(a, b):", "The cat sat on"]
-REAL_TARGET = Path("/work/pair/qwen2.5-coder-0.5b-instruct.gguf")
+REAL_TARGET = PAIR / "qwen2.5-coder-0.5b-instruct.gguf"
 
 
 @pytest.fixture(scope="module")

@@ -5,24 +5,23 @@ float32: token identity needs logits that do not depend on how many tokens share
 which the float32 path gives (bf16 kernels differ between one-token and k+1-token forwards);
 drafters SmolLM2-135M-Instruct (runtime model code, NVFP4 weights; another vocabulary, GPT-2
 style BPE) and Gemma 3 270M (transformers; SentencePiece with byte fallback). Needs the pair's
-files (`hetero-run fetch cpu-pair --dest DIR`) in $HETERO_RUN_PAIR (default /work/pair).
+files (`hetero-run fetch cpu-pair --dest DIR`) in $HETERO_RUN_PAIR (default: fetch's cache).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from support import PAIR
 
 from hetero_run.runtime.drafters.load import load_drafter
 from hetero_run.runtime.driver import SpeculativeEngine
 from hetero_run.runtime.speculative.config import SpeculationConfig
 
 pytestmark = pytest.mark.slow
-PAIR = Path(os.environ.get("HETERO_RUN_PAIR", "/work/pair"))
 TARGET = PAIR / "qwen2.5-coder-0.5b-instruct.gguf"
 SMOL = PAIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA = PAIR / "gemma-3-270m-q4_k_m.gguf"

@@ -6,12 +6,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import PAIR
 
 from hetero_run.runtime.checkpoint import CheckpointError
 from hetero_run.runtime.planner import make_plan, resolve
 from hetero_run.runtime.planner.gguf_header import read_gguf_header
-
-PAIR = Path("/work/pair")
 
 
 def _write_llama_gguf(path: Path, tied: bool) -> Path:
