@@ -203,12 +203,12 @@ def _ours_worker(args) -> None:
         if dist.is_driver:
             with TargetRunner(model, ctx) as runner:
                 decoder = TargetOnly(runner, SamplingParams())
-                list(decoder.generate(prompts[0], 8, set()))  # warm-up
+                list(decoder.tokens(prompts[0], 8, set()))  # warm-up
                 timings, ids = [], []
                 for prompt in prompts:
                     start = time.perf_counter()
                     stamps, tokens = [], []
-                    for new in decoder.generate(prompt, args.new_tokens, set()):
+                    for new in decoder.tokens(prompt, args.new_tokens, set()):
                         stamps.append(time.perf_counter())
                         tokens += new
                     timings.append((start, stamps))

@@ -1,11 +1,13 @@
 """x @ W.T for an NVFP4 weight that stays packed: the fast path for the device at hand.
 
-CPU, up to SMALL_BATCH rows of x (decode, speculative verify): the compiled kernel, which looks
-E2M1 values up in a register table and streams the codes once. With bf16 activations on a CPU
-with AMX, three or more rows (and any prefill) go through AMX tiles instead: W is dequantised
-exactly to bf16 16 rows at a time and multiplied with fp32 accumulation.
+CPU, up to VERIFY_MAX_ROWS rows of x (decode, speculative verify), and any number of rows on a
+CPU with AMX: the compiled kernel. With bf16 activations on a CPU with AMX it multiplies on AMX
+tiles (W dequantised exactly to bf16 16 rows at a time, fp32 accumulation), otherwise it looks
+E2M1 values up in a register table and streams the codes once. Its path never depends on the
+number of rows, so these forwards are batch-invariant (see batch_invariance.py).
 CPU, more rows otherwise (prefill): tiles of W dequantised by the compiled kernel, multiplied by torch.
-CPU without the compiled library: `nvfp4.linear_reference` (tiled, plain PyTorch).
+CPU without the compiled library: `nvfp4.linear_reference` (tiled, plain PyTorch; one row at a
+time up to VERIFY_MAX_ROWS rows).
 CUDA: `nvfp4_gpu` (FP4 tensor cores for W4A4 on Blackwell, weight-only elsewhere).
 W4A4 on the CPU is emulated: x is quantised to NVFP4 and back with `input_scale`, then W4A16.
 """
@@ -15,8 +17,8 @@ from __future__ import annotations
 import torch
 
 from hetero_run.kernels import cpu_ext, nvfp4, nvfp4_gpu
+from hetero_run.kernels.batch_invariance import invariant, per_row
 
-SMALL_BATCH = 16
 # Elements of W dequantised at once on the prefill path (4 MiB of float32: stays in L2/L3).
 TILE_ELEMENTS = 1 << 20
 
@@ -43,10 +45,11 @@ def nvfp4_linear(
         xk = xk.float()
     lib = cpu_ext.ops()
     if lib is None:
-        return nvfp4.linear_reference(xk, codes, block_scale, row_scale).to(x.dtype)
+        reference = (lambda rows: nvfp4.linear_reference(rows, codes, block_scale, row_scale))  # noqa: E731
+        return (per_row(reference, xk) if invariant(x.shape[0]) else reference(xk)).to(x.dtype)
     scales = block_scale.view(torch.uint8)
     amx = xk.dtype == torch.bfloat16 and cpu_ext.features() & cpu_ext.FEATURE_AMX and xk.shape[1] % 32 == 0
-    if x.shape[0] <= SMALL_BATCH or amx:
+    if invariant(x.shape[0]) or amx:
         return lib.nvfp4_linear(xk.contiguous(), codes, scales, row_scale).to(x.dtype)
     xf = xk.float()
     out_features = codes.shape[0]

@@ -1,7 +1,7 @@
 // x @ W.T on AMX tiles for bf16 x (NVFP4 and bf16 weights).
 //
 // With bf16 activations, AMX tiles multiply 16 output rows by 32 inputs by up to 16 x rows in
-// one instruction, so verifying a draft (n = 2..16 tokens) costs about as much as one token.
+// one instruction, so verifying a draft (up to 16 tokens) costs about as much as one token.
 // We compute y^T = W x^T: tile A = 16 weight rows x 32 inputs (bf16, row-major), tile B = x^T
 // as bf16 pairs ([16 input pairs][n] dwords, built once per call), tile C = [16 outputs][n] fp32.
 // NVFP4 rows are dequantised into A exactly: E2M1 * block scale has at most 6 significant bits,
@@ -144,9 +144,11 @@ HR_AMX void nvfp4_blocks_amx(const uint32_t* xt, int64_t n, int64_t in, const ui
   _tile_release();
 }
 
-// Any number of x rows, 16 at a time (a prefill re-dequantises W per 16 rows, still faster than
-// dequantising once and multiplying in float32).
 }  // namespace
+
+// Any number of x rows, 16 at a time (a prefill re-dequantises W per 16 rows, still faster than
+// dequantising once and multiplying in float32). Each C element accumulates its row's products
+// in the same order whatever the other rows of the tile are.
 
 void nvfp4_linear_amx(const uint16_t* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
                       const float* row_scale, int64_t out, float* y) {
@@ -191,10 +193,13 @@ HR_AMX void dense_blocks_amx(const uint32_t* xt, int64_t n, int64_t in, const ui
 }  // namespace
 
 void dense_linear_amx(const uint16_t* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y) {
-  const std::vector<uint32_t> xt = pairs_transposed(x, n, in);
-  at::parallel_for(0, (out + 15) / 16, grain_rows(16 * in * 2), [&](int64_t b0, int64_t b1) {
-    dense_blocks_amx(xt.data(), n, in, w, out, y, b0, b1);
-  });
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    const int64_t m = std::min<int64_t>(16, n - i0);
+    const std::vector<uint32_t> xt = pairs_transposed(x + i0 * in, m, in);
+    at::parallel_for(0, (out + 15) / 16, grain_rows(16 * in * 2), [&](int64_t b0, int64_t b1) {
+      dense_blocks_amx(xt.data(), m, in, w, out, y + i0 * out, b0, b1);
+    });
+  }
 }
 
 }  // namespace hetero_run_cpu

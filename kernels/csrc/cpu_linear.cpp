@@ -19,17 +19,10 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <climits>
-
 #include "cpu_kernels.h"
 
 namespace hetero_run_cpu {
 namespace {
-
-// With bf16 x, AMX from this many rows of x (measured): a single row streams as fast through
-// the vector kernels; NVFP4 tiles cost a dequantisation per 16 rows of x, which the vector
-// kernel beats for one or two rows.
-constexpr int64_t kAmxMinRowsDense = 2, kAmxMinRowsNvfp4 = 3;
 
 void check_2d(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D");
@@ -40,11 +33,15 @@ void check_2d(const at::Tensor& t, const char* name) {
 // path: 0 = best available, 1 = vector kernels (AVX-512 or portable), 2 = AMX (bf16 x only).
 constexpr int64_t kPathAuto = 0, kPathVector = 1, kPathAmx = 2;
 
-bool use_amx(const at::Tensor& x, int64_t in, int64_t path, int64_t min_rows, int64_t max_rows) {
-  const bool able = x.scalar_type() == at::kBFloat16 && in % 32 == 0 && x.size(0) <= max_rows && has_amx();
-  TORCH_CHECK(path != kPathAmx || able, "the AMX path needs bfloat16 x (at most ", max_rows, " rows), in_features a "
-              "multiple of 32 and a CPU with AMX");
-  return path == kPathAmx || (path == kPathAuto && able && x.size(0) >= min_rows);
+// The choice never depends on the number of rows of x: each kernel computes every row of y in
+// one fixed order whatever the other rows are, so row i of f(x) equals f(x[i:i+1]) bit for bit
+// (a speculative verify forward of k + 1 tokens must match k + 1 one-token decode forwards).
+// AMX costs about as much for 16 rows as for one, which is what makes verifying cheap.
+bool use_amx(const at::Tensor& x, int64_t in, int64_t path) {
+  const bool able = x.scalar_type() == at::kBFloat16 && in % 32 == 0 && has_amx();
+  TORCH_CHECK(path != kPathAmx || able, "the AMX path needs bfloat16 x, in_features a multiple of 32 and a CPU "
+              "with AMX");
+  return path == kPathAmx || (path == kPathAuto && able);
 }
 
 at::Tensor nvfp4_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
@@ -66,7 +63,7 @@ at::Tensor nvfp4_linear(const at::Tensor& x_in, const at::Tensor& codes, const a
   const float* rs = row_scale.data_ptr<float>();
   float* yd = y.data_ptr<float>();
 #if HR_X86
-  if (use_amx(x_in, in, path, kAmxMinRowsNvfp4, INT64_MAX)) {
+  if (use_amx(x_in, in, path)) {
     nvfp4_linear_amx(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, cd, sd, rs, out, yd);
     return y;
   }
@@ -130,7 +127,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t path) 
   float* yd = y.data_ptr<float>();
   const bool bf16_dot = xt == at::kBFloat16 && has_avx512_bf16();
 #if HR_X86
-  if (wt == at::kBFloat16 && use_amx(x, in, path, kAmxMinRowsDense, 16)) {
+  if (wt == at::kBFloat16 && use_amx(x, in, path)) {
     dense_linear_amx(reinterpret_cast<const uint16_t*>(x.data_ptr()), n, in,
                      reinterpret_cast<const uint16_t*>(w.data_ptr()), out, yd);
     return y;

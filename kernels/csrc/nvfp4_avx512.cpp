@@ -92,36 +92,18 @@ HR_AVX512 void nvfp4_block_avx512(const float* xp, const Layout& L, const uint8_
       d[r] = _mm512_loadu_si512(cr[r] + c / 2);
       s[r] = _mm512_permutexvar_ps(dup_lo, _mm512_castps256_ps512(_mm256_loadu_ps(sr[r] + c / kGroup)));
     }
-    if constexpr (N == 1) {
-      // One x row: sum the chunk unscaled (two partial sums per pair for independent chains)
-      // and apply the block scales once, instead of scaling every weight vector.
-      __m512 t[R][N][2];
-      for (int r = 0; r < R; ++r)
-        for (int i = 0; i < N; ++i) t[r][i][0] = t[r][i][1] = _mm512_setzero_ps();
+    // Every x row accumulates in this order whatever N is (no cheaper order for N = 1): one
+    // row's result must not depend on how many rows came with it.
 #pragma GCC unroll 8
-      for (int m = 0; m < 8; ++m) {
-        __m512 w[R];
-        for (int r = 0; r < R; ++r) w[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(d[r], 4 * m), table);
-        for (int i = 0; i < N; ++i) {
-          const __m512 xv = _mm512_loadu_ps(xp + i * in + c + m * 16);
-          for (int r = 0; r < R; ++r) t[r][i][m & 1] = _mm512_fmadd_ps(w[r], xv, t[r][i][m & 1]);
-        }
+    for (int m = 0; m < 8; ++m) {
+      __m512 w[R];
+      for (int r = 0; r < R; ++r) {
+        const __m512i idx = _mm512_srli_epi32(d[r], 4 * m);
+        w[r] = _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), s[r]);
       }
-      for (int r = 0; r < R; ++r)
-        for (int i = 0; i < N; ++i)
-          acc[r][i] = _mm512_fmadd_ps(_mm512_add_ps(t[r][i][0], t[r][i][1]), s[r], acc[r][i]);
-    } else {
-#pragma GCC unroll 8
-      for (int m = 0; m < 8; ++m) {
-        __m512 w[R];
-        for (int r = 0; r < R; ++r) {
-          const __m512i idx = _mm512_srli_epi32(d[r], 4 * m);
-          w[r] = _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), s[r]);
-        }
-        for (int i = 0; i < N; ++i) {
-          const __m512 xv = _mm512_loadu_ps(xp + i * in + c + m * 16);
-          for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(w[r], xv, acc[r][i]);
-        }
+      for (int i = 0; i < N; ++i) {
+        const __m512 xv = _mm512_loadu_ps(xp + i * in + c + m * 16);
+        for (int r = 0; r < R; ++r) acc[r][i] = _mm512_fmadd_ps(w[r], xv, acc[r][i]);
       }
     }
   }

@@ -4,6 +4,10 @@ At TP size s a rank holds num_heads / s query heads and the KV heads they read: 
 of them, or, when there are fewer KV heads than ranks, the one KV head its query heads share
 (replicated on size / num_kv_heads ranks). q/k/v is one fused column-parallel projection,
 o one row-parallel projection: one all-reduce per attention.
+
+Up to VERIFY_MAX_ROWS tokens (decode, speculative verify) each query row attends in its own
+call, over exactly the keys a one-token decode of it would see and without a mask, so it gets
+the decode's bits (batch_invariance.py); longer chunks (prefill) take one masked call.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hetero_run.kernels.batch_invariance import invariant
 from hetero_run.runtime.models.linear import ColumnParallelLinear, RowParallelLinear
 from hetero_run.runtime.models.rotary import Rotary
 
@@ -38,7 +43,8 @@ class Attention:
                  mask: torch.Tensor | None) -> torch.Tensor:
         """x [n, hidden] at cache slots start .. start + n - 1 -> [n, hidden] (summed over ranks).
 
-        cos / sin: [n, 1, head_dim]; mask: [n, start + n] bool (True = may attend), None for n = 1.
+        cos / sin: [n, 1, head_dim]; mask: [n, start + n] bool (True = may attend), used only when
+        n > VERIFY_MAX_ROWS (None for n = 1).
         """
         n = x.shape[0]
         qkv = self.qkv(x)  # [n, (heads + 2 * kv_heads) * head_dim]
@@ -50,9 +56,17 @@ class Attention:
         end = start + n
         self.k_cache[:, start:end] = k.transpose(0, 1)
         self.v_cache[:, start:end] = v.transpose(0, 1)
-        # 4-D inputs take PyTorch's fused CPU attention kernel; 3-D ones fall back to the slow path.
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None], self.k_cache[None, :, :end], self.v_cache[None, :, :end],
-            attn_mask=mask, scale=self.scale, enable_gqa=self.heads != self.kv_heads,
-        )  # [1, heads, n, head_dim]
+        q = q.transpose(0, 1)[None]  # [1, heads, n, head_dim]
+        if invariant(n):
+            out = torch.cat([self._attend(q[:, :, i:i + 1], start + i + 1, None) for i in range(n)], dim=2)
+        else:
+            out = self._attend(q, end, mask)
         return self.o(out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
+
+    def _attend(self, q: torch.Tensor, keys: int, mask: torch.Tensor | None) -> torch.Tensor:
+        """q [1, heads, m, head_dim] over cache slots 0 .. keys - 1 -> [1, heads, m, head_dim]."""
+        # 4-D inputs take PyTorch's fused CPU attention kernel; 3-D ones fall back to the slow path.
+        return F.scaled_dot_product_attention(
+            q, self.k_cache[None, :, :keys], self.v_cache[None, :, :keys],
+            attn_mask=mask, scale=self.scale, enable_gqa=self.heads != self.kv_heads,
+        )

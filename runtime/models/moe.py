@@ -4,6 +4,10 @@ Every rank holds the full router and computes the same routing (its input is the
 all-reduced residual stream), so all ranks run the same experts, each over its slice of
 every expert's intermediate dimension. The weighted partial outputs of all chosen experts are
 summed locally and then over the group with a single all-reduce.
+
+Each token sums its experts' outputs in ascending expert id, whatever the other tokens chose,
+and the router is a batch-invariant product (batch_invariance.py): a token gets the same bits
+in a forward of one token as in a verify forward of several.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hetero_run.kernels.dense_linear import dense_linear
 from hetero_run.runtime.models.linear import Weight
 from hetero_run.runtime.models.parallel import ParallelContext
 
@@ -42,7 +47,7 @@ class SparseMoE:
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [n, hidden] -> (weights [n, top_k] in x's dtype, expert ids [n, top_k])."""
-        probs = F.linear(x, self.router).softmax(dim=-1, dtype=torch.float32)  # [n, num_experts]
+        probs = dense_linear(x, self.router).softmax(dim=-1, dtype=torch.float32)  # [n, num_experts]
         weights, ids = probs.topk(self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -51,13 +56,14 @@ class SparseMoE:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         weights, ids = self.route(x)
         chosen = ids.tolist()  # the one host sync of the block
+        routed: dict[int, tuple[list[int], list[int]]] = {}  # expert -> (its tokens, their top-k slots)
+        for token, row in enumerate(chosen):
+            for slot, e in enumerate(row):
+                routed.setdefault(e, ([], []))[0].append(token)
+                routed[e][1].append(slot)
         out = torch.zeros_like(x)
-        if len(chosen) == 1:  # decode: one token, top_k experts
-            for slot, e in enumerate(chosen[0]):
-                out += self.experts[e](x) * weights[:, slot, None]
-        else:
-            for e in sorted({e for row in chosen for e in row}):
-                tokens, slots = (ids == e).nonzero(as_tuple=True)
-                y = self.experts[e](x[tokens]) * weights[tokens, slots, None]
-                out.index_add_(0, tokens, y)
+        for e in sorted(routed):
+            tokens, slots = (torch.tensor(t, device=x.device) for t in routed[e])
+            y = self.experts[e](x[tokens]) * weights[tokens, slots, None]  # [m, hidden]
+            out.index_add_(0, tokens, y)
         return self.ctx.all_reduce(out)

@@ -29,7 +29,7 @@ def drive(runner: TargetRunner, case: dict) -> dict:
     after = torch.tensor(case["after"])
     out["after"] = runner.forward(after, torch.arange(p + a, p + a + len(after)))
     out["length"] = runner.length
-    greedy = TargetOnly(runner, SamplingParams()).generate(case["ids"][:p], case["greedy"], set())
+    greedy = TargetOnly(runner, SamplingParams()).tokens(case["ids"][:p], case["greedy"], set())
     out["greedy"] = [t for chunk in greedy for t in chunk]
     return out
 

@@ -1,0 +1,68 @@
+"""The cost of a speculative verify forward (k + 1 tokens) against a 1-token decode forward, on the
+real CPU target at TP=1, and whether the verify rows are bitwise equal to sequential decoding.
+
+    python bench/verify_forward.py [--quant bf16,nvfp4] [--sizes 1,5,13,25] [--repeat 30]
+
+Uses the checkpoints bench/target_decode.py converts (~/.cache/hetero-run/bench; run it once
+first). Per quantisation prints, for each forward size n: the median ms of one forward of n
+tokens after a 128-token prompt (the cache rolled back after each), its ratio to n = 1, and
+whether its logits equal n sequential 1-token forwards bit for bit (`torch.equal`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+CACHE = Path.home() / ".cache" / "hetero-run" / "bench"
+NAME = "qwen2.5-coder-0.5b-instruct"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quant", default="bf16,nvfp4", help="comma-separated subset of bf16, nvfp4")
+    parser.add_argument("--sizes", default="1,5,13,25", help="forward sizes n to time")
+    parser.add_argument("--repeat", type=int, default=30, help="timed forwards per size (median kept)")
+    parser.add_argument("--cache", type=Path, default=CACHE, help="converted checkpoints (default %(default)s)")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    for quant in args.quant.split(","):
+        _measure(args.cache / f"{NAME}-{quant}", quant, sizes, args.repeat)
+
+
+def _measure(folder: Path, quant: str, sizes: list[int], repeat: int) -> None:
+    from hetero_run.runtime.models.loader import load_model
+    from hetero_run.runtime.models.parallel import ParallelContext
+
+    if not folder.is_dir():
+        raise SystemExit(f"{folder}: not found (python bench/target_decode.py converts it)")
+    model = load_model(folder, ParallelContext.single(), max_tokens=512)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, model.config.vocab_size, (128,), generator=gen)
+    model.forward(prompt, torch.arange(128), num_logits=1)
+    ids = torch.randint(0, model.config.vocab_size, (max(sizes),), generator=gen)
+    seq = []
+    for i in range(max(sizes)):  # the reference: one token per forward
+        seq.append(model.forward(ids[i:i + 1], torch.tensor([128 + i])))
+    seq = torch.cat(seq)
+    base = None
+    print(f"{quant} (threads {torch.get_num_threads()}):")
+    for n in sizes:
+        times = []
+        for _ in range(repeat):
+            model.truncate(128)
+            start = time.perf_counter()
+            logits = model.forward(ids[:n], torch.arange(128, 128 + n))
+            times.append(time.perf_counter() - start)
+        ms = statistics.median(times) * 1e3
+        base = base or ms
+        same = torch.equal(logits, seq[:n])
+        print(f"  n={n:3d}  {ms:8.2f} ms  x{ms / base:5.2f} of n=1   bitwise equal to sequential: {same}")
+
+
+if __name__ == "__main__":
+    main()
