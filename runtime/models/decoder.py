@@ -61,9 +61,10 @@ class TargetModel:
         self.device = ctx.device
         # EAGLE-3 style hook (set with `capture`): the residual stream at the input of these
         # layers for the tokens of the last forward, concatenated in layer order ->
-        # `captured` [n, len(capture_layers) * hidden], on every rank.
+        # `captured` [n, len(capture_layers) * hidden], on the ranks that called `capture`.
         self.capture_layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None
+        self.capture_sink = None  # sink(first slot, captured) after each forward
 
     @property
     def length(self) -> int:
@@ -95,12 +96,14 @@ class TargetModel:
     def truncate(self, length: int) -> None:
         self.kv.truncate(length)
 
-    def capture(self, layers: tuple[int, ...]) -> None:
-        """Keep the hidden states entering `layers` (ascending) in `captured` after each forward."""
+    def capture(self, layers: tuple[int, ...], sink=None) -> None:
+        """Keep the hidden states entering `layers` (ascending; len(self.layers) is the last
+        layer's output, before the final norm) in `captured` after each forward, and hand them to
+        `sink(first slot, captured)` when given. Only the ranks that call this keep anything."""
         layers = tuple(layers)
-        if list(layers) != sorted(set(layers)) or any(not 0 <= i < len(self.layers) for i in layers):
-            raise ValueError(f"capture layers must be ascending and in 0..{len(self.layers) - 1}, got {layers}")
-        self.capture_layers, self.captured = layers, None
+        if list(layers) != sorted(set(layers)) or any(not 0 <= i <= len(self.layers) for i in layers):
+            raise ValueError(f"capture layers must be ascending and in 0..{len(self.layers)}, got {layers}")
+        self.capture_layers, self.captured, self.capture_sink = layers, None, sink
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -122,7 +125,7 @@ class TargetModel:
         self.kv.check_room(n)
         input_ids = input_ids.to(self.device, non_blocking=True)
         positions = positions.to(self.device, non_blocking=True)
-        kept, captured = [], []
+        kept, captured, first_slot = [], [], self.kv.length
         for begin in range(0, n, self.prefill_chunk):
             end = min(n, begin + self.prefill_chunk)
             h = self._run(input_ids[begin:end], positions[begin:end], captured)
@@ -130,6 +133,8 @@ class TargetModel:
                 kept.append(h[max(0, n - keep - begin):])
         if self.capture_layers:
             self.captured = torch.cat(captured) if len(captured) > 1 else captured[0]
+            if self.capture_sink is not None:
+                self.capture_sink(first_slot, self.captured)
         h = kept[0] if len(kept) == 1 else torch.cat(kept)
         return self.lm_head(F.rms_norm(h, self.norm.shape, self.norm, self.config.rms_norm_eps))
 
@@ -147,6 +152,8 @@ class TargetModel:
                 if i in self.capture_layers:
                     saved.append(h.clone())
                 h = layer(h, cos, sin, start, mask)
+            if len(self.layers) in self.capture_layers:
+                saved.append(h.clone())
             captured.append(torch.cat(saved, dim=-1))
         else:
             for layer in self.layers:

@@ -144,8 +144,10 @@ def make_plan(
 
     shape = dict(batch=batch, chunk=prefill_chunk)
     main = _Part.of(target, tp, dtype, logits_tokens=draft_len + 1 if drafter else 1, **shape)
-    draft = _Part.of(drafter, 1, runtime_dtype(drafter), logits_tokens=draft_len, **shape) if drafter else None
+    draft_dtype = (dtype if drafter.shape.eagle3 else runtime_dtype(drafter)) if drafter else None  # a head runs in
+    draft = _Part.of(drafter, 1, draft_dtype, logits_tokens=draft_len, **shape) if drafter else None  # the target's
     per_node = tp // len(nodes)
+    head_rows, head_per_token = _eagle3_extra(target, drafter, tp, dtype) if drafter else (0, 0)
     ranks = []
     for rank in range(tp):
         node = nodes[rank // per_node]
@@ -156,8 +158,8 @@ def make_plan(
         ranks.append(RankPlan(
             rank=rank, node=node.name, capacity_bytes=node.memory_bytes // per_node, context=context, batch=batch,
             weights_by_group=main.groups, kv_bytes_per_token=main.kv_per_token,
-            drafter_weights_bytes=draft.weights_bytes if first and draft else 0,
-            drafter_kv_bytes_per_token=draft.kv_per_token if first and draft else 0, workspace=ws,
+            drafter_weights_bytes=draft.weights_bytes + head_rows if first and draft else 0,
+            drafter_kv_bytes_per_token=draft.kv_per_token + head_per_token if first and draft else 0, workspace=ws,
             reserved_bytes=int(hardware.reserved_gib * GiB) // per_node,
             overhead_bytes=int(hardware.runtime_overhead_gib * GiB),
         ))
@@ -223,6 +225,20 @@ def _roofline(main: _Part, draft: _Part | None, hardware: Hardware, *, tp: int, 
                     verify_shared=target(draft_len + 1, shared_routing=True), draft_step=step,
                     draft_round_extra_s=draft.groups.get("fc", 0) / hardware.bandwidth_bytes_per_s,
                     acceptance=acceptance, draft_len=draft_len)
+
+
+def _eagle3_extra(target: ModelSource, drafter: ModelSource, tp: int, dtype: torch.dtype) -> tuple[int, int]:
+    """What an EAGLE-3 head adds on rank 0 beyond its own tensors: (bytes, bytes per context token).
+
+    A head without an embedding of its own embeds through the target's; at TP > 1 rank 0 holds
+    only vocab / tp rows of it, so it reads the other rows once. The target states it reads
+    are kept fused (hidden wide, in the target's dtype) for every position of the sequence.
+    """
+    if not drafter.shape.eagle3:
+        return 0, 0
+    own = any(name.endswith("embed_tokens.weight") for name in drafter.tensors)
+    rows = 0 if own else (target.shape.vocab_size - target.shape.vocab_size // tp) * target.shape.hidden_size
+    return rows * dtype.itemsize, drafter.shape.hidden_size * dtype.itemsize
 
 
 def _notes(target: ModelSource, context: int) -> tuple[str, ...]:

@@ -96,9 +96,11 @@ class ModelShape:
             raise ConfigError("missing", file=source, field=key)
 
         architectures = config.get("architectures") or []
-        eagle3 = EAGLE3_ARCHITECTURE in architectures
+        eagle3 = EAGLE3_ARCHITECTURE in architectures or config.get("speculators_model_type") == "eagle3"
         model_type = "llama" if eagle3 else str(config.get("model_type"))
         config = config.get("text_config") or config  # multimodal wrappers keep the LM config inside
+        if eagle3 and isinstance(config.get("transformer_layer_config"), dict):  # speculators (vLLM) heads
+            config = {**config["transformer_layer_config"], **config}
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         layers = int(need("num_hidden_layers"))

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from hetero_run.topology.errors import ConfigError
 
-ALGORITHMS = ("auto", "none", "standard", "slem", "tli", "slrs")
+ALGORITHMS = ("auto", "none", "standard", "slem", "tli", "slrs", "eagle3")
 
 
 @dataclass(frozen=True)

@@ -151,8 +151,10 @@ def test_num_logits_keeps_the_last_rows_across_chunks():
 def test_captured_hidden_states_are_the_layer_inputs():
     path = tiny_checkpoint("qwen3", "bf16", num_hidden_layers=4)
     model = load_model(path, dtype=torch.float32, max_tokens=32, prefill_chunk=5)
-    with pytest.raises(ValueError, match="ascending and in 0..3"):
+    with pytest.raises(ValueError, match=r"ascending and in 0\.\.4"):  # 4: the last layer's output
         model.capture((3, 1))
+    with pytest.raises(ValueError, match="got \\(1, 5\\)"):
+        model.capture((1, 5))
     model.capture((1, 3))
     ids = _ids(12)
     model.forward(ids, torch.arange(12))

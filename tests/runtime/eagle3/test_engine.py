@@ -1,0 +1,118 @@
+"""EAGLE-3 drafting through the speculative engine at TP=1 on tiny qwen3 / qwen3_moe targets
+(fp32): greedy output token-identical to the target alone for random and aligned heads in each
+layout, with the head's KV cache rolled back and re-run every round."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from conftest import head_dir, target_dir
+from transformers import AutoTokenizer
+
+from hetero_run.runtime.driver import SpeculativeEngine
+from hetero_run.runtime.eagle3 import is_eagle3, load_eagle3
+from hetero_run.runtime.models.loader import load_model
+from hetero_run.runtime.runner import TargetRunner
+from hetero_run.runtime.speculative.config import SpeculationConfig
+from hetero_run.topology.errors import ConfigError
+
+PROMPTS = ["def add(a, b):\n", "The cat sat on"]
+NEW = 32
+
+
+@functools.cache
+def tokenizer(arch: str):
+    return AutoTokenizer.from_pretrained(target_dir(arch))
+
+
+def setup(arch: str, layout: str, kind: str, algorithm: str = "eagle3", **config):
+    model = load_model(target_dir(arch), max_tokens=256, dtype=torch.float32)
+    drafter = load_eagle3(head_dir(arch, layout, kind), model, tokenizer(arch))
+    runner = TargetRunner(model)
+    return SpeculativeEngine(runner, tokenizer(arch), drafter, SpeculationConfig(algorithm=algorithm, **config)), runner
+
+
+@functools.cache
+def reference(arch: str, prompt: str) -> list[int]:
+    runner = TargetRunner(load_model(target_dir(arch), max_tokens=256, dtype=torch.float32))
+    engine = SpeculativeEngine(runner, tokenizer(arch), None, SpeculationConfig(algorithm="none"))
+    return engine.generate(prompt, NEW, stop_ids=set()).token_ids
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("layout", ["eagle", "modelopt", "vllm"])
+@pytest.mark.parametrize("kind", ["random", "aligned"])
+def test_greedy_output_is_the_target_alones(arch, layout, kind):
+    engine, _ = setup(arch, layout, kind)
+    accepted = drafted = 0
+    for prompt in PROMPTS:
+        result = engine.generate(prompt, NEW, stop_ids=set())
+        assert result.token_ids == reference(arch, prompt), (arch, layout, kind, prompt)
+        accepted, drafted = accepted + result.accepted, drafted + result.drafted
+    assert drafted > 0 and set(result.algorithms) == {"eagle3"}
+    if kind == "aligned":
+        assert accepted > 0.2 * drafted, "the aligned head's drafts must be accepted often"
+
+
+@pytest.mark.parametrize("draft_len", [1, 6])
+def test_fixed_draft_lengths_keep_the_head_cache_right(draft_len):
+    engine, runner = setup("qwen3", "eagle", "aligned", draft_len=draft_len, adaptive=False, max_draft_len=6)
+    drafter = engine.drafter.model
+    result = engine.generate(PROMPTS[0], NEW, stop_ids=set())
+    assert result.token_ids == reference("qwen3", PROMPTS[0]) and result.accepted > 0
+    # every committed token the target has run was (re-)run by the head with the target's states
+    committed = runner.length
+    assert drafter.exact >= committed - 1 - draft_len
+    assert drafter.tokens[:committed] == engine_ids(result, PROMPTS[0])[:committed]
+
+
+def engine_ids(result, prompt: str) -> list[int]:
+    return tokenizer("qwen3")(prompt)["input_ids"] + result.token_ids
+
+
+def test_head_cache_is_rerun_with_target_states_after_acceptance():
+    """Accepted drafts ran with the head's own h; once verified they run again with the target's."""
+    engine, runner = setup("qwen3", "eagle", "aligned", draft_len=4, adaptive=False)
+    drafter = engine.drafter.model
+    calls = []
+    forward = drafter.head.forward
+
+    def spy(ids, g):
+        calls.append((drafter.head.length, ids.tolist()))
+        return forward(ids, g)
+
+    drafter.head.forward = spy
+    result = engine.generate(PROMPTS[1], 16, stop_ids=set())
+    assert result.accepted > 0
+    slots = [slot for slot, ids in calls for _ in ids]
+    assert len(slots) > len(set(slots)), "some slots must have been run twice (own h, then target states)"
+    assert drafter.exact == runner.length - 1 or drafter.exact >= runner.length - 1 - 4
+
+
+@pytest.mark.parametrize("algorithm", ["auto", "standard", "slem"])
+def test_other_chain_algorithms_and_auto_use_the_head_losslessly(algorithm):
+    engine, _ = setup("qwen3_moe", "modelopt", "aligned", algorithm=algorithm, auto_probe_rounds=2,
+                      auto_reprobe_every=4)
+    result = engine.generate(PROMPTS[0], NEW, stop_ids=set())
+    assert result.token_ids == reference("qwen3_moe", PROMPTS[0])
+    if algorithm == "auto":
+        assert {"eagle3", "none"} <= set(result.algorithms)  # rounds without drafting keep the log in step
+
+
+def test_algorithm_checks_are_one_line_errors():
+    model = load_model(target_dir("qwen3"), max_tokens=64, dtype=torch.float32)
+    runner = TargetRunner(model)
+    with pytest.raises(ConfigError, match="needs an EAGLE-3 head"):
+        from hetero_run.runtime.drafters.fast import FastDraftModel
+        from hetero_run.runtime.drafters.load import Drafter
+
+        plain = Drafter(FastDraftModel(load_model(target_dir("qwen3"), max_tokens=64, dtype=torch.float32)),
+                        tokenizer("qwen3"), "plain")
+        SpeculativeEngine(runner, tokenizer("qwen3"), plain, SpeculationConfig(algorithm="eagle3"))
+    drafter = load_eagle3(head_dir("qwen3", "eagle", "random"), model, tokenizer("qwen3"))
+    assert is_eagle3(drafter) and not is_eagle3(None)
+    for algorithm in ("tli", "slrs"):
+        with pytest.raises(ConfigError, match="EAGLE-3 head drafts chains"):
+            SpeculativeEngine(runner, tokenizer("qwen3"), drafter, SpeculationConfig(algorithm=algorithm))
