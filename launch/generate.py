@@ -68,7 +68,7 @@ class GenerateConfig:
     context: int | None = None  # KV cache slots; None: min(32768, the model's maximum)
     prefill_chunk: int = 512
     speculation: object = None  # runtime.speculative.config.SpeculationConfig
-    drafter: Path | None = None
+    drafter: str | None = None  # a path, or eagle3:DIR
     compare: bool = False
 
     @property
@@ -101,7 +101,7 @@ def build_config(args: argparse.Namespace) -> GenerateConfig:
         target=Path(args.target), sampling=sampling, max_new_tokens=args.max_new_tokens, chat=args.chat,
         json=args.json, ignore_eos=args.ignore_eos, dtype=args.dtype, context=args.context,
         prefill_chunk=args.prefill_chunk, speculation=speculate.speculation_config(args),
-        drafter=Path(args.drafter) if args.drafter else None, compare=args.compare,
+        drafter=args.drafter, compare=args.compare,
     )
 
 
@@ -349,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
 
     run_config = RunConfig(target=str(config.target), topology=getattr(args, "topology", None), context=config.context,
                            dtype=config.dtype, prefill_chunk=config.prefill_chunk,
-                           drafter=str(config.drafter) if config.drafter else None)
+                           drafter=config.drafter)
     log.info("%s", check_before_load(run_config, world_size=job_shape()[1]).summary())  # no weight read yet
     with launched(launch_settings(args)) as dist:
         from hetero_run.runtime.models.loader import load_model
@@ -365,12 +365,12 @@ def run(args: argparse.Namespace) -> int:
         log.info("target %s: %s, TP=%d, %.2f GB of weights per rank, KV cache %d tokens, loaded in %.1f s",
                  config.target.name, model.config.arch, ctx.size, model.weight_nbytes / 1e9, model.max_tokens,
                  time.perf_counter() - start)
-        drafter = together(dist, "load the drafter",
-                           lambda: speculate.load(args, model.max_tokens, config.dtype) if dist.is_driver else None)
+        prompts, tokenizer = inputs if dist.is_driver else (None, None)
+        drafter = together(dist, "load the drafter", lambda: speculate.load(
+            args, model, tokenizer, config.target, config.dtype) if dist.is_driver else None)
         if not dist.is_driver:
             serve_worker(model, ctx)
             return 0
-        prompts, tokenizer = inputs
         stop_ids = set() if config.ignore_eos else stop_token_ids(tokenizer, model.config, config.target)
         with TargetRunner(model, ctx) as runner:
             decoder = make_decoder(config, runner, tokenizer, drafter)  # a bad pairing fails here; workers get STOP

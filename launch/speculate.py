@@ -18,8 +18,9 @@ log = logging.getLogger("hetero_run.launch.speculate")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("speculative decoding (the drafter runs on rank 0)")
-    group.add_argument("--drafter", metavar="DIR|FILE.gguf",
-                       help="a small causal LM with its own tokenizer; any vocabulary (docs/algorithms.md)")
+    group.add_argument("--drafter", metavar="DIR|FILE.gguf|eagle3:DIR",
+                       help="a small causal LM with its own tokenizer, any vocabulary (docs/algorithms.md); or "
+                       "eagle3:DIR, an EAGLE-3 head for this target (docs/eagle3.md)")
     group.add_argument("--algorithm", choices=ALGORITHMS, default=None,
                        help="auto measures the candidates online, no speculation included, and keeps the fastest "
                        "(default: auto with --drafter, none without)")
@@ -28,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fixed-draft-len", action="store_true",
                        help="keep --draft-len every round instead of adapting it to measured acceptance and cost")
     group.add_argument("--max-draft-len", type=int, default=12, metavar="K", help="adaptive upper bound (default 12)")
+    group.add_argument("--eagle3-layer-numbering", choices=("input", "output"),
+                       help="override how the head's aux layer ids count (default: its layout's convention)")
     group.add_argument("--drafter-weights", choices=("dense", "nvfp4"), default="dense",
                        help="nvfp4 quantises a llama/qwen drafter's projections (a quarter of the bytes per step)")
     group.add_argument("--compare", action="store_true",
@@ -43,8 +46,9 @@ def speculation_config(args: argparse.Namespace):
     algorithm = args.algorithm or ("auto" if args.drafter else "none")
     if args.drafter is None and algorithm not in ("none", "auto"):
         raise ConfigError(f"algorithm {algorithm!r} needs a drafter", field="--drafter")
-    if args.drafter is not None and not Path(args.drafter).exists():
-        raise ConfigError("no such drafter directory or GGUF file", file=args.drafter, field="--drafter")
+    if args.drafter is not None and not drafter_path(args.drafter).exists():
+        raise ConfigError("no such drafter directory or GGUF file", file=drafter_path(args.drafter),
+                          field="--drafter")
     try:
         return SpeculationConfig(algorithm=algorithm, draft_len=args.draft_len, adaptive=not args.fixed_draft_len,
                                  max_draft_len=max(args.max_draft_len, args.draft_len))
@@ -115,16 +119,27 @@ class SpeculativeDecoder:
                 "verify_seconds": round(result.verify_seconds, 4), "counters": result.counters}
 
 
-def load(args: argparse.Namespace, target_max_tokens: int, dtype: str):
-    """The drafter named by --drafter, on rank 0 (None without one)."""
+def drafter_path(spec: str) -> Path:
+    from hetero_run.runtime.eagle3 import EAGLE3_PREFIX
+
+    return Path(spec.removeprefix(EAGLE3_PREFIX))
+
+
+def load(args: argparse.Namespace, target, target_tokenizer, target_source: Path, dtype: str):
+    """The drafter named by --drafter, on rank 0 (None without one). An EAGLE-3 head attaches
+    to rank 0's shard of the target (it reads the target's hidden states)."""
     import torch
 
     from hetero_run.runtime.drafters.load import load_drafter
+    from hetero_run.runtime.eagle3 import EAGLE3_PREFIX, load_eagle3
 
     if args.drafter is None or (args.algorithm or "auto") == "none":
         return None
+    if args.drafter.startswith(EAGLE3_PREFIX):
+        return load_eagle3(args.drafter, target, target_tokenizer, target_source=target_source,
+                           layer_numbering=args.eagle3_layer_numbering)
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # GGUF de-quantisation bars; the log says what loads
     torch_dtype = torch.float32 if dtype in ("fp32", "float32") else torch.bfloat16
-    return load_drafter(args.drafter, dtype=torch_dtype, max_tokens=target_max_tokens, weights=args.drafter_weights)
+    return load_drafter(args.drafter, dtype=torch_dtype, max_tokens=target.max_tokens, weights=args.drafter_weights)
