@@ -1,9 +1,9 @@
 """The real CPU pair (slow): every algorithm, greedy, token-identical to the target alone.
 
 Target Qwen2.5-Coder-0.5B-Instruct through the runtime's model code (TargetRunner, TP=1) in
-float32: token identity needs logits that do not depend on how many tokens share a forward,
-which the float32 path gives (bf16 kernels differ between one-token and k+1-token forwards);
-drafters SmolLM2-135M-Instruct (runtime model code, NVFP4 weights; another vocabulary, GPT-2
+float32, in bf16 and as the NVFP4 checkpoint `fetch` converts: token identity needs logits that
+do not depend on how many tokens share a forward (kernels/batch_invariance.py), which is what
+bf16 and NVFP4 exercise; drafters SmolLM2-135M-Instruct (runtime model code, NVFP4 weights; another vocabulary, GPT-2
 style BPE) and Gemma 3 270M (transformers; SentencePiece with byte fallback). Needs the pair's
 files (`hetero-run fetch cpu-pair --dest DIR`) in $HETERO_RUN_PAIR (default: fetch's cache).
 """
@@ -23,6 +23,7 @@ from hetero_run.runtime.speculative.config import SpeculationConfig
 
 pytestmark = pytest.mark.slow
 TARGET = PAIR / "qwen2.5-coder-0.5b-instruct.gguf"
+TARGET_NVFP4 = PAIR / "qwen2.5-coder-0.5b-instruct-nvfp4"
 SMOL = PAIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
 GEMMA = PAIR / "gemma-3-270m-q4_k_m.gguf"
 PROMPTS = ["Write a Python function that checks whether a number is prime.",
@@ -36,15 +37,19 @@ def _need(path: Path) -> None:
 
 
 @functools.cache
-def target():
+def target(kind: str = "fp32"):
+    """kind: fp32 / bf16 (the GGUF, dequantised) or nvfp4 (the converted checkpoint, bf16 activations)."""
     from transformers import AutoTokenizer
 
     from hetero_run.runtime.models.loader import load_model
     from hetero_run.runtime.runner import TargetRunner
 
     _need(TARGET)
+    path = TARGET_NVFP4 if kind == "nvfp4" else TARGET
+    if not (path / "model.safetensors").is_file() and kind == "nvfp4":
+        pytest.skip(f"{path} is not here (`hetero-run fetch cpu-pair` converts it)")
     tokenizer = AutoTokenizer.from_pretrained(str(PAIR), gguf_file=TARGET.name)
-    return TargetRunner(load_model(TARGET, max_tokens=1024, dtype="fp32")), tokenizer
+    return TargetRunner(load_model(path, max_tokens=1024, dtype="fp32" if kind == "fp32" else "bf16")), tokenizer
 
 
 @functools.cache
@@ -54,20 +59,21 @@ def drafter(path: Path):
 
 
 @functools.cache
-def reference(prompt: str) -> list[int]:
-    runner, tokenizer = target()
+def reference(prompt: str, kind: str = "fp32") -> list[int]:
+    runner, tokenizer = target(kind)
     return SpeculativeEngine(runner, tokenizer, None, SpeculationConfig(algorithm="none")).generate(
         prompt, NEW_TOKENS, chat=True).token_ids
 
 
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "nvfp4"])
 @pytest.mark.parametrize("algorithm", ["slem", "tli", "slrs", "auto"])
-def test_smollm2_drafting_for_qwen_is_lossless(algorithm):
-    runner, tokenizer = target()
+def test_smollm2_drafting_for_qwen_is_lossless(algorithm, kind):
+    runner, tokenizer = target(kind)
     engine = SpeculativeEngine(runner, tokenizer, drafter(SMOL), SpeculationConfig(algorithm=algorithm))
     accepted = 0
     for prompt in PROMPTS:
         result = engine.generate(prompt, NEW_TOKENS, chat=True)
-        assert result.token_ids == reference(prompt), (algorithm, prompt)
+        assert result.token_ids == reference(prompt, kind), (algorithm, kind, prompt)
         accepted += result.accepted
     if algorithm != "auto":
         assert accepted > 0
@@ -75,7 +81,8 @@ def test_smollm2_drafting_for_qwen_is_lossless(algorithm):
 
 @pytest.mark.parametrize("algorithm", ["slem", "tli"])
 def test_gemma_drafting_for_qwen_is_lossless(algorithm):
-    runner, tokenizer = target()
+    runner, tokenizer = target("bf16")
     engine = SpeculativeEngine(runner, tokenizer, drafter(GEMMA), SpeculationConfig(algorithm=algorithm))
     for prompt in PROMPTS:
-        assert engine.generate(prompt, NEW_TOKENS, chat=True).token_ids == reference(prompt), (algorithm, prompt)
+        result = engine.generate(prompt, NEW_TOKENS, chat=True)
+        assert result.token_ids == reference(prompt, "bf16"), (algorithm, prompt)
