@@ -50,6 +50,8 @@ class SpeculativeEngine:
         self.config = config or SpeculationConfig(algorithm="auto" if drafter else "none")
         self.pairing = Pairing(target_tokenizer, drafter.tokenizer if drafter else None, self.config.window)
         check_algorithm(self.config.algorithm, drafter is not None, self.pairing.same_vocab, is_eagle3(drafter))
+        # what `auto` and the draft lengths measured, kept from prompt to prompt (same pair, same task)
+        self.measured: dict[tuple[str, ...], tuple[Selector, dict[str, DraftLength]]] = {}
         self.drafter_threads = None
         if drafter is not None and self.config.algorithm != "none":
             threads = self.config.drafter_threads
@@ -109,8 +111,7 @@ class _Generation:
         names = self._algorithms(sampling)
         self.proposers = {n: make_proposer(n, self.session, self.config) for n in names}
         self.proposers.setdefault("none", NoProposer(self.session, self.config))
-        self.lengths = {n: DraftLength(self.config, n) for n in self.proposers}
-        self.selector = Selector(names, self.config, auto=self.config.algorithm == "auto")
+        self.selector, self.lengths = self._measurements(names)
         self.position = n  # target position of the next token; the KV cache holds the prompt
         self.token_ids: list[int] = []
         self.algorithms: list[str] = []
@@ -128,6 +129,16 @@ class _Generation:
         self.pending_ids = kept  # the prompt forward's token: streamed with the first round's
         self.pending_text = pairing.target_table.decode(kept)
         self.position = n
+
+    def _measurements(self, names: list[str]) -> tuple[Selector, dict[str, DraftLength]]:
+        """The engine's selector and draft lengths for these candidates, made on first use."""
+        key = tuple(names)
+        if key not in self.engine.measured:
+            self.engine.measured[key] = (Selector(names, self.config, auto=self.config.algorithm == "auto"),
+                                         {n: DraftLength(self.config, n) for n in self.proposers})
+        selector, lengths = self.engine.measured[key]
+        selector.counting = False  # this prompt's first round catches the drafter up: not measured
+        return selector, lengths
 
     def _algorithms(self, sampling: SamplingParams) -> list[str]:
         config, pairing = self.config, self.engine.pairing

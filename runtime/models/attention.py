@@ -43,8 +43,8 @@ class Attention:
                  mask: torch.Tensor | None) -> torch.Tensor:
         """x [n, hidden] at cache slots start .. start + n - 1 -> [n, hidden] (summed over ranks).
 
-        cos / sin: [n, 1, head_dim]; mask: [n, start + n] bool (True = may attend), used only when
-        n > VERIFY_MAX_ROWS (None for n = 1).
+        cos / sin: [n, 1, head_dim]; mask: [n, start + n] bool (True = may attend) when
+        n > VERIFY_MAX_ROWS, else None (each row then attends on its own).
         """
         n = x.shape[0]
         qkv = self.qkv(x)  # [n, (heads + 2 * kv_heads) * head_dim]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hetero_run.kernels.batch_invariance import invariant
 from hetero_run.runtime.models.attention import Attention
 from hetero_run.runtime.models.config import ModelConfig
 from hetero_run.runtime.models.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -143,7 +144,7 @@ class TargetModel:
         h = self.embed(ids)  # [n, hidden]
         cos, sin = self.rotary.tables(positions)
         mask = None
-        if n > 1:  # slot start + i attends to slots 0 .. start + i
+        if not invariant(n):  # slot start + i attends to slots 0 .. start + i (small n: per row, no mask)
             slots = torch.arange(start + n, device=self.device)
             mask = slots[None, :] <= slots[start:, None]  # [n, start + n]
         if self.capture_layers:

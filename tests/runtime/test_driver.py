@@ -137,6 +137,19 @@ def test_auto_measures_every_candidate_and_logs_its_choice(caplog):
     assert any(r.message.startswith("auto: re-measuring") for r in caplog.records)
 
 
+def test_auto_keeps_its_measurements_from_prompt_to_prompt(caplog):
+    caplog.set_level(logging.INFO, logger="hetero_run")
+    eng = engine("auto", "sentencepiece", auto_probe_rounds=2, auto_reprobe_every=1000)
+    first = eng.generate(PROMPTS[0], max_new_tokens=40, stop_ids=set())
+    decisions = [r.message for r in caplog.records if r.message.startswith("auto: measured")]
+    assert len(decisions) == 1 and {"slem", "tli", "slrs", "none"} <= set(first.algorithms)
+    choice = decisions[0].rsplit("-> ", 1)[1]
+    second = eng.generate(PROMPTS[1], max_new_tokens=40, stop_ids=set())
+    assert set(second.algorithms) == {choice}, "the second prompt runs the choice without measuring again"
+    assert second.token_ids == reference(PROMPTS[1])
+    assert sum(r.message.startswith("auto: measuring") for r in caplog.records) == 1
+
+
 @pytest.mark.parametrize("algorithm, drafter, message", [
     ("standard", "sentencepiece", "vocabulary"),
     ("slem", None, "needs a drafter"),
