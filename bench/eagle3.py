@@ -1,6 +1,6 @@
 """EAGLE-3 drafting cost against the real CPU target, and the acceptance rate it needs to pay off.
 
-    python bench/eagle3.py [--gguf /work/pair/qwen2.5-coder-0.5b-instruct.gguf] [--k 1,2,3,4,6]
+    python bench/eagle3.py [--gguf ~/.cache/hetero-run/cpu-pair/qwen2.5-coder-0.5b-instruct.gguf] [--k 1,2,3,4,6]
                            [--context 256] [--repeats 15] [--dtype fp32|bf16] [--json]
 
 No trained EAGLE-3 head exists for this target, so the head here is random, shaped as one
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import logging
 import statistics
 import sys
@@ -30,7 +31,8 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_GGUF = Path("/work/pair/qwen2.5-coder-0.5b-instruct.gguf")
+DEFAULT_GGUF = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hetero-run" / "cpu-pair" \
+    / "qwen2.5-coder-0.5b-instruct.gguf"  # `hetero-run fetch cpu-pair`
 
 
 def write_random_head(dest: Path, config, draft_vocab: int = 32000, seed: int = 0) -> Path:
