@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import logging
+import os
 import statistics
 import sys
 import tempfile
