@@ -13,6 +13,8 @@ import torch
 
 from hetero_run.topology.errors import ConfigError
 
+NUCLEUS_CANDIDATES = 1024
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -54,14 +56,25 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass strictly
-        # before it is below top_p. E.g. [0.5, 0.3, 0.2] with top_p 0.7 keeps 0.5 and 0.3.
-        before = sorted_probs.cumsum(-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        probs = probs / probs.sum(-1, keepdim=True)
+        probs = _top_p(probs, params.top_p)
     return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest prefix (most probable first) whose mass reaches top_p: a token stays if
+    the mass strictly before it is below top_p. E.g. [0.5, 0.3, 0.2] with top_p 0.7 keeps 0.5
+    and 0.3. The nucleus is found among the NUCLEUS_CANDIDATES most probable tokens (a partial
+    top-k, ~15x cheaper than sorting a 152k vocabulary); only when the last of them would still
+    be kept does it sort the whole row, so the result is the same either way."""
+    k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
+    values, order = torch.topk(probs, k, dim=-1)  # [n, k], descending
+    before = values.cumsum(-1) - values
+    if k < probs.shape[-1] and bool((before[..., -1] < top_p).any()):
+        values, order = torch.sort(probs, dim=-1, descending=True)
+        before = values.cumsum(-1) - values
+    values = values.masked_fill(before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, values)
+    return kept / kept.sum(-1, keepdim=True)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

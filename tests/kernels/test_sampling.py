@@ -27,6 +27,21 @@ def test_top_p_keeps_smallest_prefix_reaching_p():
     torch.testing.assert_close(probs, torch.tensor([[1.0, 0.0, 0.0]]))
 
 
+@pytest.mark.parametrize("scale", [8.0, 0.05])  # peaked: the nucleus is in the candidates; flat: it is not
+def test_top_p_over_a_large_vocabulary_equals_the_full_sort(scale):
+    torch.manual_seed(0)
+    logits = torch.randn(5, 151936) * scale
+    got = logits_to_probs(logits, SamplingParams(temperature=0.7, top_p=0.9))
+    probs = torch.softmax(logits / 0.7, dim=-1)
+    values, order = torch.sort(probs, dim=-1, descending=True)
+    values = values.masked_fill(values.cumsum(-1) - values >= 0.9, 0.0)
+    expected = torch.zeros_like(probs).scatter_(-1, order, values)
+    expected = expected / expected.sum(-1, keepdim=True)
+    assert torch.equal(got, expected)
+    kept = (got > 0).sum(-1)
+    assert (kept < 1024).all() if scale > 1 else (kept > 1024).all()  # both paths ran
+
+
 def test_top_k():
     logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
     probs = logits_to_probs(logits, SamplingParams(temperature=1.0, top_k=2))
