@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hetero_run.kernels.batch_invariance import invariant
 from hetero_run.runtime.models.linear import ColumnParallelLinear, RowParallelLinear
 from hetero_run.runtime.models.rotary import Rotary
 
@@ -43,8 +42,9 @@ class Attention:
                  mask: torch.Tensor | None) -> torch.Tensor:
         """x [n, hidden] at cache slots start .. start + n - 1 -> [n, hidden] (summed over ranks).
 
-        cos / sin: [n, 1, head_dim]; mask: [n, start + n] bool (True = may attend) when
-        n > VERIFY_MAX_ROWS, else None (each row then attends on its own).
+        cos / sin: [n, 1, head_dim]; mask: [n, start + n] bool (True = may attend), or None for
+        causal attention computed row by row, each row exactly as a one-token decode computes it
+        (the decoder passes None up to VERIFY_MAX_ROWS tokens; a drafter's tree passes its mask).
         """
         n = x.shape[0]
         qkv = self.qkv(x)  # [n, (heads + 2 * kv_heads) * head_dim]
@@ -57,7 +57,7 @@ class Attention:
         self.k_cache[:, start:end] = k.transpose(0, 1)
         self.v_cache[:, start:end] = v.transpose(0, 1)
         q = q.transpose(0, 1)[None]  # [1, heads, n, head_dim]
-        if invariant(n):
+        if mask is None:  # causal, one row at a time (the decoder passes a mask only for long chunks and trees)
             out = torch.cat([self._attend(q[:, :, i:i + 1], start + i + 1, None) for i in range(n)], dim=2)
         else:
             out = self._attend(q, end, mask)

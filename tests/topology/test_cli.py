@@ -108,9 +108,10 @@ def test_np_not_matching_tp_exits_2_on_every_rank(run_cli):
     text = flat(out.stderr)
     message = (f"{DUAL}:5: tensor_parallel_size: the job has 3 ranks (mpirun -np 3) but the topology's "
                "tensor-parallel size is 2 (spark-a, spark-b): launch with mpirun -np 2")
-    assert f"[rank 0] {message}" in text, text
-    # every rank checks on its own; mpirun may end the others before they print, never with another error
-    assert text.count("ERROR") == text.count(message), text
+    # every rank checks on its own; mpirun ends the others once the first exits, so some may
+    # not get to print, and none prints another error
+    assert any(f"[rank {rank}] {message}" in text for rank in range(3)), text
+    assert text.count("ERROR") == text.count(message) >= 1, text
 
 
 def test_one_rank_falls_back_to_tp1_loudly(run_cli):
