@@ -274,6 +274,9 @@ def run_prompts(decoder: Decoder, tokenizer, prompts: list[Prompt], config: Gene
         # the drafter reads the conversation (or text) its own way; the target reads exactly `ids`
         request = EnginePrompt(messages=({"role": "user", "content": prompt.text},), target_ids=tuple(ids)) \
             if config.chat else EnginePrompt(text=prompt.text, target_ids=tuple(ids))
+        if baseline is not None and not results:  # untimed warm-up of both, so neither pays first-use costs
+            for warm in (baseline, decoder):
+                warm.generate(request, min(8, config.max_new_tokens), stop_ids, lambda ids: None)
         reference = _generate(baseline, tokenizer, prompt, request, len(ids), config, stop_ids, None) \
             if baseline is not None else None
         result = _generate(decoder, tokenizer, prompt, request, len(ids), config, stop_ids, write)
