@@ -132,8 +132,11 @@ def test_sigint_to_mpirun_stops_every_rank(popen_cli, tmp_path):
     while any(_alive(pid) for pid in ranks) and time.monotonic() < end:
         time.sleep(0.2)
     assert not any(_alive(pid) for pid in ranks)
-    for rank in (0, 1):
-        assert "shutting down" in (tmp_path / f"rank{rank}.log").read_text()
+    # mpirun forwards the signal; a rank it has not reached yet leaves through the same
+    # teardown once its peer is gone. Every rank leaves cleanly, at least one on the signal.
+    logs = [(tmp_path / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    assert all("shutting down" in text or "process group destroyed" in text for text in logs), logs
+    assert any("shutting down" in text for text in logs), logs
 
 
 def _alive(pid: int) -> bool:

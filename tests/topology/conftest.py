@@ -67,6 +67,15 @@ class TwoHosts:
     def set_link(self, which: int, up: bool) -> None:
         _ip("-n", self.hosts[which], "link", "set", self.qsfp[which], "up" if up else "down")
 
+    def wait_for_carrier(self, timeout: float = 10.0) -> None:
+        """Until every link of both hosts has carrier (a fresh veth pair takes a moment)."""
+        links = [(h, i) for n, h in enumerate(self.hosts) for i in (self.qsfp[n], self.lan[n])]
+        end = time.monotonic() + timeout
+        while not all("LOWER_UP" in _ip("-n", h, "link", "show", "dev", i).stdout for h, i in links):
+            if time.monotonic() > end:
+                raise RuntimeError(f"no carrier on the test links after {timeout} s")
+            time.sleep(0.1)
+
     def pids(self, which: int) -> list[int]:
         out = _ip("netns", "pids", self.hosts[which], check=False).stdout
         return [int(p) for p in out.split()]
@@ -153,6 +162,7 @@ def two_hosts(tmp_path_factory):
             _ip("-n", hosts[i], "link", "set", iface.name, "mtu", str(topology.link.mtu), "up")
             _ip("-n", hosts[i], "addr", "add", LAN[i], "dev", lan[i])
             _ip("-n", hosts[i], "link", "set", lan[i], "up")
+        pair.wait_for_carrier()
         yield pair
     finally:
         for host in created:

@@ -98,8 +98,12 @@ def test_link_down_mid_job_ends_both_ranks_naming_the_peer(two_hosts, tmp_path):
     assert proc.returncode != 0
     a, b = two_hosts.hosts
     peer_lost = r"(sent no heartbeat for \d+ s|is unreachable|is gone|stopped responding)"
-    assert re.search(rf"\[rank 0\] rank 1 \(host {b}, pid \d+\) {peer_lost}", _flat(stderr)), stderr
-    assert re.search(rf"\[rank 1\] rank 0 \(host {a}, pid \d+\) {peer_lost}", _flat(stderr)), stderr
+    # Both ranks watch each other; whichever notices first ends the job, and mpirun may kill
+    # the other before it reports. At least one names its peer, each in the right words.
+    said = _flat(stderr + _read(logs / "rank0.log") + _read(logs / "rank1.log"))
+    named = [re.search(rf"\[rank 0\].{{0,80}}rank 1 \(host {b}, pid \d+\) {peer_lost}", said),
+             re.search(rf"\[rank 1\].{{0,80}}rank 0 \(host {a}, pid \d+\) {peer_lost}", said)]
+    assert any(named), stderr
     assert "Traceback" not in stderr
     # Nothing is left running in either host.
     _wait_for(lambda: not two_hosts.pids(0) and not two_hosts.pids(1), 10)
