@@ -8,6 +8,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 BIN = Path(sys.executable).parent
 # The real CPU pair (`hetero-run fetch cpu-pair`); tests that need it skip where it is absent.
 PAIR = Path(os.environ.get("HETERO_RUN_PAIR")
@@ -55,3 +57,15 @@ def rank_pids(parent_pid: int, rank: int) -> list[int]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return found
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """For tests of thousands of tiny tensor ops (import it into a conftest or test module): a
+    second thread only adds wake-up latency, milliseconds per op when the other core is busy."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -11,6 +11,7 @@ import logging
 import pytest
 import speculative_support as support
 import torch
+from support import one_thread  # noqa: F401  (autouse: tiny ops run on one thread)
 
 from hetero_run.kernels.sampling import SamplingParams
 from hetero_run.runtime.drafters.hf import HFDraftModel
@@ -24,12 +25,6 @@ from hetero_run.topology.errors import ConfigError
 PROMPTS = ["def is_prime(n):\n", "The quick brown", "naïve café résumé — 你"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @functools.cache

@@ -3,22 +3,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-import torch
-
 sys.path.insert(0, str(Path(__file__).parent))  # heads.py, also imported by the mpirun job
 
 import heads  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: a second thread only adds wake-up latency."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
+from support import one_thread  # noqa: F401  (autouse: tiny ops run on one thread)
 
 _root = Path(tempfile.mkdtemp(prefix="hetero-run-eagle3-"))
 
