@@ -6,11 +6,15 @@ peak memory.
 
 Prints, per configuration: decode tok/s and ms/token, overall tok/s (prefill included, as
 transformers is timed) and the speed-up over transformers, weight bytes read per token and
-the share of the memory-bandwidth roofline (bandwidth measured here, by the planner's
-method), per-rank peak RSS, TP=2 / TP=1 ratios, and how many tokens match transformers'
-greedy output. The bf16 and NVFP4 checkpoints are converted from the GGUF once (ModelOpt for
-NVFP4) into ~/.cache/hetero-run/bench. Each configuration runs in fresh processes
-(`mpirun -np 2` for TP=2), so peak RSS is that configuration's alone.
+the share of the memory-bandwidth roofline, per-rank peak RSS, TP=2 / TP=1 ratios, and how many
+tokens match transformers' greedy output. The bandwidth is measured by the planner's method
+just before and just after each run (the better of the two counts): this machine's varies by
+half from one minute to the next with what else its host runs, so one reading at the start
+would misstate every later share. `tp1-*-1core` run TP=1 on one core, what each rank of TP=2
+has on this 2-core machine. The bf16 and NVFP4 checkpoints are converted from the GGUF once
+(ModelOpt for NVFP4) into ~/.cache/hetero-run/bench. Each configuration runs in fresh
+processes (`mpirun -np 2` for TP=2), so peak RSS is that configuration's alone; TP=2 loads as
+`hetero-run generate` does (rank 0 reads the tokenizer first; the embedding split balanced).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ PROMPTS = (  # the reference measurement's three coding prompts (chat template)
     "Write a Python function that returns the nth Fibonacci number iteratively.",
     "Implement binary search over a sorted list in Python.",
 )
-CONFIGS = ("tp1-bf16", "tp1-nvfp4", "tp2-bf16", "tp2-nvfp4")
+CONFIGS = ("tp1-bf16", "tp1-nvfp4", "tp1-bf16-1core", "tp1-nvfp4-1core", "tp2-bf16", "tp2-nvfp4")
 
 
 def main() -> None:
@@ -45,6 +49,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="run every configuration N times, round robin, and keep each one's fastest run "
                         "(use 2-3 on a machine other jobs share)")
+    parser.add_argument("--embedding-split", choices=("balanced", "even"), default="balanced",
+                        help="who holds the embedding's rows at TP=2 (as `hetero-run generate --embedding-split`)")
     parser.add_argument("--json", action="store_true", help="also print all figures as one JSON object")
     parser.add_argument("--worker", choices=("ours", "transformers"), help=argparse.SUPPRESS)
     parser.add_argument("--target", type=Path, help=argparse.SUPPRESS)
@@ -68,27 +74,29 @@ def _orchestrate(args) -> None:
     checkpoints = {q: _checkpoint(args, q) for q in sorted({c.split("-")[1] for c in configs})}
     from hetero_run.runtime.planner import measure_bandwidth
 
-    bandwidth = measure_bandwidth()
-    print(f"memory bandwidth (measured): {bandwidth:.1f} GB/s; {len(PROMPTS)} chat prompts x {args.new_tokens} "
-          f"greedy tokens; {os.cpu_count()} cores", flush=True)
-    jobs = {}  # name -> (argv, tp)
+    print(f"{len(PROMPTS)} chat prompts x {args.new_tokens} greedy tokens; {os.cpu_count()} cores; memory bandwidth "
+          "measured before and after every run (this machine's varies with what its host runs)", flush=True)
+    jobs = {}  # name -> (argv, tp, threads or None)
     if not args.skip_transformers:
         jobs["transformers-fp32"] = ([sys.executable, __file__, "--worker", "transformers", "--target",
-                                      str(args.gguf), "--new-tokens", str(args.new_tokens)], 1)
+                                      str(args.gguf), "--new-tokens", str(args.new_tokens)], 1, None)
     for config in configs:
-        tp, quant = config.split("-")
+        tp, quant, *cores = config.split("-")
         jobs[config] = ([sys.executable, __file__, "--worker", "ours", "--target", str(checkpoints[quant]),
-                         "--new-tokens", str(args.new_tokens)], int(tp[2:]))
+                         "--new-tokens", str(args.new_tokens), "--embedding-split", args.embedding_split],
+                        int(tp[2:]), 1 if cores else None)
     runs = {}
     for round_ in range(args.repeat):
-        for name, (argv, tp) in jobs.items():
-            run = _spawn(argv, tp)
+        for name, (argv, tp, threads) in jobs.items():
+            before = measure_bandwidth()
+            run = _spawn(argv, tp, threads)
+            run["bandwidth_gbps"] = max(before, measure_bandwidth())
             _line(name if args.repeat == 1 else f"{name} #{round_ + 1}", run)
             if name not in runs or run["decode_tps"] > runs[name]["decode_tps"]:
                 runs[name] = run
-    _table(runs, bandwidth)
+    _table(runs)
     if args.json:
-        print(json.dumps({"bandwidth_gbps": bandwidth, "runs": runs}))
+        print(json.dumps({"runs": runs}))
 
 
 def _checkpoint(args, quant: str) -> Path:
@@ -111,9 +119,11 @@ def _checkpoint(args, quant: str) -> Path:
     return out
 
 
-def _spawn(argv: list[str], tp: int) -> dict:
+def _spawn(argv: list[str], tp: int, threads: int | None) -> dict:
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     env.pop("OMP_NUM_THREADS", None)
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
     if tp > 1:
         mpirun = shutil.which("mpirun", path=str(Path(sys.executable).parent)) or "mpirun"
         argv = [mpirun, "-np", str(tp), "--oversubscribe", "--bind-to", "none"] + argv
@@ -125,38 +135,62 @@ def _spawn(argv: list[str], tp: int) -> dict:
 
 
 def _line(name: str, run: dict) -> None:
+    ranks = ", ".join(f"rank {r['rank']} {r['peak_rss'] / 2**20:.0f}" for r in run["ranks"])
     print(f"  {name:18s} decode {run['decode_tps']:6.2f} tok/s, overall {run['overall_tps']:6.2f} tok/s, "
-          f"peak RSS {max(r['peak_rss'] for r in run['ranks']) / 2**20:7.0f} MiB per rank", flush=True)
+          f"peak RSS {ranks} MiB, bandwidth {run['bandwidth_gbps']:.1f} GB/s", flush=True)
 
 
-def _table(runs: dict, bandwidth: float) -> None:
+def _table(runs: dict) -> None:
     ref = runs.get("transformers-fp32")
-    tp1 = {q: runs.get(f"tp1-{q}") for q in ("bf16", "nvfp4")}
     header = (f"{'config':18s} {'decode tok/s':>12s} {'ms/token':>9s} {'overall':>8s} {'vs HF':>6s} "
-              f"{'GB/token':>9s} {'GB/s':>6s} {'roofline':>9s} {'peak RSS/rank':>14s} {'vs TP=1':>14s} "
-              f"{'HF-equal tokens':>16s}")
+              f"{'GB/token':>9s} {'GB/s':>6s} {'of':>5s} {'roofline':>9s} {'peak RSS/rank':>14s} {'vs TP=1':>14s} "
+              f"{'vs 1 core':>9s} {'HF-equal tokens':>16s}")
     print("\n" + header + "\n" + "-" * len(header))
     for name, run in runs.items():
         ms = 1000 / run["decode_tps"]
         gb = run["decode_bytes"] / 1e9  # read by every rank together per token
-        roof = bandwidth / (run["decode_bytes"] / 1e9)
         speed = f"{run['overall_tps'] / ref['overall_tps']:.2f}x" if ref else "-"
         rss = max(r["peak_rss"] for r in run["ranks"])
-        base = tp1.get(name.split("-")[-1]) if name.startswith("tp2") else None
-        versus = "-"
-        if base:
-            versus = (f"{ms / (1000 / base['decode_tps']):.2f}x ms, "
-                      f"{rss / max(r['peak_rss'] for r in base['ranks']):.0%}")
+        versus = one_core = "-"
+        if name.startswith("tp2"):
+            quant = name.split("-")[1]
+            if base := runs.get(f"tp1-{quant}"):
+                versus = f"{base['decode_tps'] / run['decode_tps']:.2f}x ms, {rss / _peak(base):.0%}"
+            if base := runs.get(f"tp1-{quant}-1core"):
+                one_core = f"{base['decode_tps'] / run['decode_tps']:.2f}x"
         equal = "-"
         if ref and name != "transformers-fp32":
             same = [_prefix(a, b) for a, b in zip(run["token_ids"], ref["token_ids"], strict=True)]
             equal = f"{sum(same)}/{sum(len(t) for t in ref['token_ids'])}"
+        achieved = gb * run["decode_tps"]
         print(f"{name:18s} {run['decode_tps']:12.2f} {ms:9.1f} {run['overall_tps']:8.2f} {speed:>6s} {gb:9.3f} "
-              f"{gb * run['decode_tps']:6.1f} {run['decode_tps'] / roof:9.0%} {rss / 2**20:10.0f} MiB {versus:>14s} "
-              f"{equal:>16s}")
-    print("\nroofline = measured bandwidth / weight bytes read per token (all ranks share this machine's memory);"
+              f"{achieved:6.1f} {run['bandwidth_gbps']:5.1f} {achieved / run['bandwidth_gbps']:9.0%} "
+              f"{rss / 2**20:10.0f} MiB {versus:>14s} {one_core:>9s} {equal:>16s}")
+    print("\nGB/s = weight bytes read per token x decode tok/s, of the bandwidth measured just before and after that"
+          "\nrun (the better of the two): roofline is their ratio (all ranks share this machine's memory);"
           "\nvs TP=1 = per-token latency ratio and peak-RSS ratio (largest rank) against the same format at TP=1;"
+          "\nvs 1 core = per-token latency ratio against TP=1 on one core (what one rank of TP=2 has here);"
           "\nHF-equal tokens = leading greedy tokens identical to transformers fp32 (bf16 rounding may diverge).")
+    _memory(runs)
+
+
+def _peak(run: dict) -> int:
+    return max(r["peak_rss"] for r in run["ranks"])
+
+
+def _memory(runs: dict) -> None:
+    """Per-rank peak memory at TP=2 against TP=1, and what each rank held before its weights."""
+    lines = []
+    for name, run in runs.items():
+        if not name.startswith("tp2") or not (base := runs.get(f"tp1-{name.split('-')[1]}")):
+            continue
+        ranks = "; ".join(f"rank {r['rank']}: {r['peak_rss'] / 2**20:.0f} MiB ({r['peak_rss'] / _peak(base):.1%}), "
+                          f"{r['embedding_rows']} embedding rows, {r['before_load'] / 2**20:.0f} MiB before its weights"
+                          for r in run["ranks"])
+        lines.append(f"  {name}: TP=1 {_peak(base) / 2**20:.0f} MiB ({base['ranks'][0]['before_load'] / 2**20:.0f} "
+                     f"before its weights); {ranks}")
+    if lines:
+        print("\nper-rank peak RSS at TP=2 against TP=1 (the largest rank is what counts):\n" + "\n".join(lines))
 
 
 def _prefix(a: list[int], b: list[int]) -> int:
@@ -186,6 +220,7 @@ def _ours_worker(args) -> None:
     from hetero_run.kernels.sampling import SamplingParams
     from hetero_run.launch.bootstrap import LaunchSettings, launched
     from hetero_run.launch.generate import TargetOnly
+    from hetero_run.runtime.models.embedding import measure
     from hetero_run.runtime.models.loader import load_model
     from hetero_run.runtime.models.parallel import ParallelContext
     from hetero_run.runtime.runner import TargetRunner, serve_worker
@@ -197,9 +232,10 @@ def _ours_worker(args) -> None:
 
             tokenizer = AutoTokenizer.from_pretrained(str(args.target))
             prompts = [_chat_ids(tokenizer, p) for p in PROMPTS]
-        model = load_model(args.target, ctx, max_tokens=1024)
+        before_load = measure().resident  # the runtime, and on rank 0 the tokenizer
+        model = load_model(args.target, ctx, max_tokens=1024, embedding_split=args.embedding_split)
         info = {"rank": dist.rank, "threads": torch.get_num_threads(), "weight_bytes": model.weight_nbytes,
-                "decode_bytes": model.decode_nbytes()}
+                "decode_bytes": model.decode_nbytes(), "embedding_rows": model.embed.rows, "before_load": before_load}
         if dist.is_driver:
             with TargetRunner(model, ctx) as runner:
                 decoder = TargetOnly(runner, SamplingParams())

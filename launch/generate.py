@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context", type=int, metavar="N",
                         help="tokens per sequence the KV cache holds (default min(32768, the model's maximum))")
     parser.add_argument("--prefill-chunk", type=int, default=512, metavar="N", help="prompt tokens per forward")
+    parser.add_argument("--embedding-split", choices=("balanced", "even"), default="balanced",
+                        help="under tensor parallelism, who holds the embedding's rows: balanced (default) evens out "
+                        "memory, rank 0 holding fewer rows for the tokenizer and drafter it alone holds; even")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
     speculate.add_arguments(parser)
 
@@ -70,6 +73,7 @@ class GenerateConfig:
     speculation: object = None  # runtime.speculative.config.SpeculationConfig
     drafter: str | None = None  # a path, or eagle3:DIR
     compare: bool = False
+    embedding_split: str = "balanced"  # or "even" (loader.load_model)
 
     @property
     def algorithm(self) -> str:
@@ -101,7 +105,7 @@ def build_config(args: argparse.Namespace) -> GenerateConfig:
         target=Path(args.target), sampling=sampling, max_new_tokens=args.max_new_tokens, chat=args.chat,
         json=args.json, ignore_eos=args.ignore_eos, dtype=args.dtype, context=args.context,
         prefill_chunk=args.prefill_chunk, speculation=speculate.speculation_config(args),
-        drafter=args.drafter, compare=args.compare,
+        drafter=args.drafter, compare=args.compare, embedding_split=args.embedding_split,
     )
 
 
@@ -353,7 +357,8 @@ def run(args: argparse.Namespace) -> int:
     run_config = RunConfig(target=str(config.target), topology=getattr(args, "topology", None), context=config.context,
                            dtype=config.dtype, prefill_chunk=config.prefill_chunk,
                            drafter=config.drafter)
-    log.info("%s", check_before_load(run_config, world_size=job_shape()[1]).summary())  # no weight read yet
+    plan = check_before_load(run_config, world_size=job_shape()[1])  # no weight read yet
+    log.info("%s", plan.summary())
     with launched(launch_settings(args)) as dist:
         from hetero_run.runtime.models.loader import load_model
         from hetero_run.runtime.models.parallel import ParallelContext
@@ -363,8 +368,10 @@ def run(args: argparse.Namespace) -> int:
         inputs = together(dist, "read the prompts and tokenizer",
                           lambda: (read_prompts(args), load_tokenizer(config.target)) if dist.is_driver else None)
         start = time.perf_counter()
+        split, pending = embedding_placement(config, plan, dist.rank)
         model = together(dist, "load the target", lambda: load_model(
-            config.target, ctx, max_tokens=config.context, dtype=config.dtype, prefill_chunk=config.prefill_chunk))
+            config.target, ctx, max_tokens=config.context, dtype=config.dtype, prefill_chunk=config.prefill_chunk,
+            embedding_split=split, pending_bytes=pending))
         log.info("target %s: %s, TP=%d, %.2f GB of weights per rank, KV cache %d tokens, loaded in %.1f s",
                  config.target.name, model.config.arch, ctx.size, model.weight_nbytes / 1e9, model.max_tokens,
                  time.perf_counter() - start)
@@ -382,6 +389,17 @@ def run(args: argparse.Namespace) -> int:
                         None if config.json else _write, lambda r: _report(r, config.json, log), baseline)
     return 0
 
+
+
+def embedding_placement(config: GenerateConfig, plan, rank: int) -> tuple[str, int]:
+    """(embedding_split, pending bytes) for `load_model` on `rank`: rank 0 will also hold the
+    drafter the plan counts. An EAGLE-3 head embeds through the target's embedding and copies
+    the rows rank 0 lacks, so with one the split stays even."""
+    from hetero_run.runtime.planner.inventory import EAGLE3_PREFIX
+
+    if config.embedding_split == "even" or (config.drafter or "").startswith(EAGLE3_PREFIX):
+        return "even", 0
+    return "balanced", plan.ranks[rank].drafter_bytes if rank < len(plan.ranks) else 0
 
 
 def _write(text: str) -> None:

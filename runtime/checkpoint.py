@@ -131,25 +131,20 @@ class Checkpoint:
     def close(self) -> None:
         self._handles.clear()
 
-    def read(self, name: str, dim: int | None = None, part: tuple[int, int] | None = None) -> torch.Tensor:
-        """Tensor `name`, or with `dim` and `part=(index, count)` only slice `index` of `count`
-        equal slices along `dim` (the shape there must divide by `count`)."""
+    def read(self, name: str, dim: int | None = None, part: tuple[int, int] | None = None,
+             span: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name`; with `dim` and `part=(index, count)` only slice `index` of `count` equal
+        slices along `dim` (the shape there must divide by `count`), or with `dim` and
+        `span=(start, stop)` only that range along `dim`."""
         meta = self.meta(name)
         handle = self._handle(meta.file)
+        span = slice_span(name, meta.shape, dim, part, span, meta.file)
         try:
-            if dim is None or part is None or part[1] == 1:
+            if span is None:
                 out = handle.get_tensor(name)
             else:
-                index, count = part
-                size = meta.shape[dim]
-                if size % count:
-                    raise CheckpointError(
-                        f"tensor {name!r} dimension {dim} has size {size}, not divisible into {count} parts",
-                        file=meta.file,
-                    )
-                step = size // count
                 key = [slice(None)] * len(meta.shape)
-                key[dim] = slice(index * step, (index + 1) * step)
+                key[dim] = slice(*span)
                 out = handle.get_slice(name)[tuple(key)]
         except SafetensorError as exc:
             raise CheckpointError(f"cannot read tensor {name!r}: {exc}", file=meta.file) from None
@@ -166,6 +161,30 @@ class Checkpoint:
             except (SafetensorError, OSError) as exc:
                 raise CheckpointError(f"cannot open safetensors file: {exc}", file=file) from None
         return self._handles[file]
+
+
+def slice_span(name: str, shape: tuple[int, ...], dim: int | None, part: tuple[int, int] | None,
+               span: tuple[int, int] | None, file) -> tuple[int, int] | None:
+    """The [start, stop) range along `dim` that `part=(index, count)` or `span` asks for; None
+    for the whole tensor."""
+    if dim is None or (part is None and span is None):
+        return None
+    if part is not None and span is not None:
+        raise ValueError("give part or span, not both")
+    size = shape[dim]
+    if part is not None:
+        index, count = part
+        if count == 1:
+            return None
+        if size % count:
+            raise CheckpointError(f"tensor {name!r} dimension {dim} has size {size}, not divisible into {count} parts",
+                                  file=file)
+        step = size // count
+        return index * step, (index + 1) * step
+    start, stop = span
+    if not 0 <= start <= stop <= size:
+        raise CheckpointError(f"tensor {name!r} dimension {dim} has size {size}, no range {start}..{stop}", file=file)
+    return start, stop
 
 
 def _read_json(path: Path) -> dict:

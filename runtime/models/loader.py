@@ -8,15 +8,16 @@ model or state dict (`TensorSource`), e.g. a same-architecture drafter run at TP
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from hetero_run.runtime.checkpoint import Checkpoint, CheckpointError, TensorMeta
+from hetero_run.runtime.checkpoint import Checkpoint, CheckpointError, TensorMeta, slice_span
 from hetero_run.runtime.models.attention import Attention
 from hetero_run.runtime.models.config import ModelConfig
 from hetero_run.runtime.models.decoder import DecoderLayer, TargetModel
-from hetero_run.runtime.models.embedding import ParallelLMHead, VocabParallelEmbedding
+from hetero_run.runtime.models.embedding import ParallelLMHead, VocabParallelEmbedding, balance, even_rows
 from hetero_run.runtime.models.kv_cache import KVCache
 from hetero_run.runtime.models.linear import ColumnParallelLinear, RowParallelLinear
 from hetero_run.runtime.models.mlp import GatedMLP
@@ -47,15 +48,12 @@ class TensorSource(Checkpoint):
         config = model.config.to_dict()
         return cls(config, dict(model.state_dict()), f"<in-memory {config.get('model_type')} model>")
 
-    def read(self, name: str, dim: int | None = None, part: tuple[int, int] | None = None) -> torch.Tensor:
+    def read(self, name: str, dim: int | None = None, part: tuple[int, int] | None = None,
+             span: tuple[int, int] | None = None) -> torch.Tensor:
         t = self.named[self.meta(name).name]
-        if dim is not None and part is not None and part[1] > 1:
-            index, count = part
-            if t.shape[dim] % count:
-                raise CheckpointError(f"tensor {name!r} dimension {dim} has size {t.shape[dim]}, "
-                                      f"not divisible into {count} parts", file=self.path)
-            step = t.shape[dim] // count
-            t = t.narrow(dim, index * step, step)
+        span = slice_span(name, tuple(t.shape), dim, part, span, self.path)
+        if span is not None:
+            t = t.narrow(dim, span[0], span[1] - span[0])
         t = t.detach().contiguous()
         self.bytes_read += t.nbytes
         return t
@@ -85,11 +83,13 @@ class OwnedReads:
 
     Checkpoint.read returns views of the memory-mapped file; a weight kept as such a view
     keeps every page it touched resident (a row-parallel slice touches the whole tensor), and
-    fused weights would hold both the copy and the mapped original. Copying each slice and
-    closing the file after every layer leaves exactly this rank's weights in memory.
+    fused weights would hold both the copy and the mapped original. Each read here is copied
+    and the file closed right after it, so at any moment at most one tensor (or one piece of a
+    large one) is mapped besides the weights already built: the load's peak stays near the
+    weights' total.
     """
 
-    piece_bytes = 64 << 20  # big row-wise reads (embedding, lm_head) go in pieces of about this size
+    piece_bytes = 16 << 20  # big row-wise reads (embedding, lm_head) go in pieces of about this size
 
     def __init__(self, ckpt: Checkpoint):
         self.ckpt = ckpt
@@ -97,25 +97,28 @@ class OwnedReads:
     def __getattr__(self, name: str):  # everything but read: the checkpoint's own
         return getattr(self.ckpt, name)
 
-    def read(self, name: str, dim: int | None = None, part: tuple[int, int] | None = None) -> torch.Tensor:
+    def read(self, name: str, dim: int | None = None, part: tuple[int, int] | None = None,
+             span: tuple[int, int] | None = None) -> torch.Tensor:
         meta = self.ckpt.meta(name)
-        index, count = part if dim is not None and part is not None else (0, 1)
-        pieces = self._pieces(meta, count) if dim in (None, 0) else 1
-        if pieces == 1:
-            return self.ckpt.read(name, dim=dim, part=part).clone(memory_format=torch.contiguous_format)
-        rows = meta.shape[0] // count
+        if dim not in (None, 0):
+            return self._owned(name, dim=dim, part=part, span=span)
+        start, stop = slice_span(name, meta.shape, 0, part, span, meta.file) or (0, meta.shape[0] if meta.shape else 0)
+        rows = stop - start
+        row_bytes = meta.nbytes // meta.shape[0] if meta.shape and meta.shape[0] else 0
+        step = max(1, self.piece_bytes // max(row_bytes, 1))
+        if rows <= step:
+            return self._owned(name, dim=0 if meta.shape else None, span=(start, stop) if meta.shape else None)
         out = torch.empty((rows, *meta.shape[1:]), dtype=meta.dtype)
-        step = rows // pieces
-        for j in range(pieces):  # e.g. rank 1 of 2 in 4 pieces reads eighths 4, 5, 6, 7
-            out[j * step:(j + 1) * step] = self.ckpt.read(name, dim=0, part=(index * pieces + j, count * pieces))
+        for first in range(start, stop, step):  # e.g. rank 1's half of the embedding, 16 MiB at a time
+            last = min(stop, first + step)
+            out[first - start:last - start] = self.ckpt.read(name, dim=0, span=(first, last))
             self.ckpt.close()
         return out
 
-    def _pieces(self, meta, count: int) -> int:
-        if not meta.shape or meta.shape[0] % count:
-            return 1
-        rows, want = meta.shape[0] // count, -(-meta.nbytes // count // self.piece_bytes)
-        return next((k for k in range(want, min(rows, 4 * want) + 1) if rows % k == 0), 1)
+    def _owned(self, name: str, **where) -> torch.Tensor:
+        t = self.ckpt.read(name, **where).clone(memory_format=torch.contiguous_format)
+        self.ckpt.close()
+        return t
 
 
 def open_source(source) -> Checkpoint:
@@ -173,10 +176,21 @@ def kv_head_split(num_kv_heads: int, ctx: ParallelContext) -> tuple[int, int, in
 DEFAULT_CONTEXT = 32768
 
 
+EMBEDDING_SPLITS = ("even", "balanced")
+
+
 def load_model(source, ctx: ParallelContext | None = None, *, max_tokens: int | None = None,
-               dtype: str | torch.dtype = "auto", prefill_chunk: int = 512) -> TargetModel:
+               dtype: str | torch.dtype = "auto", prefill_chunk: int = 512,
+               embedding_split: str | Sequence[int] = "even", pending_bytes: int = 0) -> TargetModel:
     """This rank's `TargetModel` with a KV cache of `max_tokens` slots (default
-    min(32768, the model's max_position_embeddings))."""
+    min(32768, the model's max_position_embeddings)).
+
+    `embedding_split`: the embedding rows each rank holds, in rank order: "even", explicit
+    counts, or "balanced" (untied embeddings at TP > 1; a collective): the ranks compare the
+    memory each holds now plus `pending_bytes` (what it will load besides the target, e.g.
+    rank 0's drafter), and the fuller ones hold fewer rows (embedding.py). Rows of the head
+    are always split evenly.
+    """
     ctx = ctx or ParallelContext.single()
     src = open_source(source)
     where = src.path if isinstance(src, TensorSource) else src.path / "config.json"
@@ -185,10 +199,36 @@ def load_model(source, ctx: ParallelContext | None = None, *, max_tokens: int | 
         max_tokens = min(DEFAULT_CONTEXT, config.max_positions)
     reads = src if isinstance(src, TensorSource) else OwnedReads(src)  # in-memory tensors are shared, not copied
     try:
-        return _Builder(reads, config, ctx, resolve_dtype(dtype, src)).model(max_tokens, prefill_chunk)
+        run_dtype = resolve_dtype(dtype, src)
+        rows = _embedding_rows(embedding_split, config, src, ctx, run_dtype, pending_bytes)
+        return _Builder(reads, config, ctx, run_dtype, rows).model(max_tokens, prefill_chunk)
     finally:
         src.close()
         _return_freed_memory()
+
+
+def _tied(config: ModelConfig, src: Checkpoint) -> bool:
+    return config.tie_word_embeddings or not src.has("lm_head.weight")
+
+
+def _embedding_rows(split: str | Sequence[int], config: ModelConfig, src: Checkpoint, ctx: ParallelContext,
+                    dtype: torch.dtype, pending_bytes: int) -> list[int]:
+    vocab = config.vocab_size
+    if isinstance(split, str):
+        if split not in EMBEDDING_SPLITS:
+            raise ConfigError(f"expected {' or '.join(EMBEDDING_SPLITS)} or row counts, got {split!r}",
+                              field="embedding_split")
+        if split == "even" or ctx.size == 1 or _tied(config, src):
+            return even_rows(vocab, ctx.size)
+        return balance(ctx, vocab, config.hidden_size * dtype.itemsize, pending_bytes)
+    rows = [int(r) for r in split]
+    if len(rows) != ctx.size or sum(rows) != vocab or min(rows) < 0:
+        raise ConfigError(f"needs {ctx.size} non-negative row counts summing to vocab_size {vocab}, got {rows}",
+                          field="embedding_split")
+    if rows != even_rows(vocab, ctx.size) and _tied(config, src):
+        raise ConfigError("a tied lm_head shares the embedding, whose rows are then split evenly",
+                          field="embedding_split")
+    return rows
 
 
 def _return_freed_memory() -> None:
@@ -200,18 +240,24 @@ def _return_freed_memory() -> None:
 
 
 class _Builder:
-    def __init__(self, src, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype):
+    def __init__(self, src, config: ModelConfig, ctx: ParallelContext, dtype: torch.dtype, embedding_rows: list[int]):
         self.src, self.cfg, self.ctx, self.dtype = src, config, ctx, dtype
         self.heads = ctx.split(config.num_heads, "num_attention_heads")
         self.kv_part, self.kv_parts, self.kv_heads = kv_head_split(config.num_kv_heads, ctx)
         ctx.split(config.vocab_size, "vocab_size")
+        first = sum(embedding_rows[:ctx.rank])
+        self.embedding_span = (first, first + embedding_rows[ctx.rank])  # this rank's rows of the embedding
         self.col = (0, ctx.rank, ctx.size)  # output rows of a column-parallel weight
         self.row = (1, ctx.rank, ctx.size)  # input columns of a row-parallel weight
 
-    def tensor(self, name: str, shape: tuple[int, ...], shard: tuple[int, int, int] | None = None) -> torch.Tensor:
-        """A norm, bias or embedding (its full `shape` is checked), or this rank's part of it."""
+    def tensor(self, name: str, shape: tuple[int, ...], shard: tuple[int, int, int] | None = None,
+               rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """A norm, bias or embedding (its full `shape` is checked), this rank's part of it, or
+        the `rows` [start, stop) of it."""
         self.src.expect(name, shape=shape)
-        if shard is None:
+        if rows is not None:
+            t = self.src.read(name, dim=0, span=rows)
+        elif shard is None:
             t = self.src.read(name)
         else:
             t = self.src.read(name, dim=shard[0], part=shard[1:])
@@ -225,15 +271,15 @@ class _Builder:
         cfg, ctx, hidden = self.cfg, self.ctx, self.cfg.hidden_size
         kv = KVCache(cfg.num_layers, self.kv_heads, cfg.head_dim, max_tokens, self.dtype, ctx.device)
         rotary = Rotary(cfg.rope, cfg.head_dim, max_tokens, self.dtype, ctx.device)
-        embed = self.tensor("model.embed_tokens.weight", (cfg.vocab_size, hidden), self.col)
-        embed = VocabParallelEmbedding(embed, ctx)
+        embed = self.tensor("model.embed_tokens.weight", (cfg.vocab_size, hidden), rows=self.embedding_span)
+        embed = VocabParallelEmbedding(embed, ctx, first=self.embedding_span[0])
         layers = []
         for i in range(cfg.num_layers):
             layers.append(self.layer(i, kv, rotary))
             self.src.close()  # unmaps what this layer read ...
             _return_freed_memory()  # ... and hands its transient copies back: the peak stays near the total
         norm = self.tensor("model.norm.weight", (hidden,))
-        tied = cfg.tie_word_embeddings or not self.src.has("lm_head.weight")
+        tied = _tied(cfg, self.src)
         head = DenseWeight(embed.weight) if tied else self.linear("lm_head", (cfg.vocab_size, hidden), self.col)
         return TargetModel(cfg, ctx, embed, layers, norm, ParallelLMHead(head, ctx, tied), kv, rotary, self.dtype,
                            prefill_chunk)

@@ -21,11 +21,11 @@ JOB = Path(__file__).with_name("tp_job.py")
 ATOL = 2e-5
 
 
-def _case(name: str, path: Path, seed: int, prefill_chunk: int = 512) -> dict:
+def _case(name: str, path: Path, seed: int, prefill_chunk: int = 512, embedding_split="even") -> dict:
     g = torch.Generator().manual_seed(seed)
     return {"name": name, "path": str(path), "ids": torch.randint(0, 300, (24,), generator=g).tolist(),
             "prompt": 18, "draft": 4, "accept": 2, "after": torch.randint(0, 300, (3,), generator=g).tolist(),
-            "greedy": 64, "prefill_chunk": prefill_chunk}
+            "greedy": 64, "prefill_chunk": prefill_chunk, "embedding_split": embedding_split}
 
 
 def _run_job(cases: list[dict], np: int, tmp_path: Path) -> dict:
@@ -65,9 +65,18 @@ def test_two_ranks_match_transformers_for_every_architecture(tmp_path):
              for i, arch in enumerate(ARCHITECTURES)]
     cases.append(_case("qwen3_moe-nvfp4", tiny_checkpoint("qwen3_moe", "nvfp4"), seed=9))
     cases.append(_case("qwen2-tied", tiny_checkpoint("qwen2", "bf16", tie_word_embeddings=True), seed=10))
+    # the embedding's rows split unevenly: a quarter on rank 0, none on rank 0, balanced by memory
+    cases.append(_case("llama-quarter", tiny_checkpoint("llama", "bf16"), seed=11, embedding_split=[80, 240]))
+    cases.append(_case("qwen3-none-on-0", tiny_checkpoint("qwen3", "bf16"), seed=12, embedding_split=[0, 320]))
+    cases.append(_case("qwen3_moe-balanced", tiny_checkpoint("qwen3_moe", "nvfp4"), seed=13,
+                       embedding_split="balanced"))
     results = _run_job(cases, 2, tmp_path)
     for case in cases:
         _check(case, results[case["name"]])
+        split = case["embedding_split"]
+        rows = results[case["name"]]["embedding_rows"]
+        assert sum(rows) == 320 and (rows == split if isinstance(split, list) else len(rows) == 2), case["name"]
+    assert results["qwen2-tied"]["embedding_rows"] == [160, 160]
 
 
 @pytest.mark.slow

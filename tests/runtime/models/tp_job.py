@@ -3,8 +3,9 @@
 For each case of the spec, every rank loads its shard of the checkpoint; rank 0 drives a fixed
 script through `TargetRunner` (prompt, verify step, rollback, forward, then 64 greedy tokens
 through the generate command's decode loop) and the other ranks serve it with
-`serve_worker`. Rank 0 saves what it got to OUT_DIR/rank0.pt; every rank writes how many
-commands it sent or served to OUT_DIR/rank<N>.json.
+`serve_worker`. A case may set `embedding_split` (row counts per rank, or "balanced"). Rank 0
+saves what it got, and the embedding rows every rank held, to OUT_DIR/rank0.pt; every rank
+writes how many commands it sent or served to OUT_DIR/rank<N>.json.
 """
 
 import json
@@ -41,10 +42,13 @@ def main(spec_path: str, out_dir: str) -> None:
         results, commands = {}, {}
         for case in spec["cases"]:
             model = load_model(case["path"], ctx, dtype=torch.float32, max_tokens=128,
-                               prefill_chunk=case.get("prefill_chunk", 512))
+                               prefill_chunk=case.get("prefill_chunk", 512),
+                               embedding_split=case.get("embedding_split", "even"))
+            rows = [None] * dist.world_size
+            torch.distributed.all_gather_object(rows, model.embed.rows, group=dist.group)
             if dist.is_driver:
                 with TargetRunner(model, ctx) as runner:
-                    results[case["name"]] = drive(runner, case)
+                    results[case["name"]] = drive(runner, case) | {"embedding_rows": rows}
                 commands[case["name"]] = 3 + 2 + case["greedy"]  # 3 forwards, 2 truncates, the decode loop
             else:
                 commands[case["name"]] = serve_worker(model, ctx)
