@@ -1,8 +1,9 @@
 """The compiled CPU kernels (`csrc/*.cpp`): built on first use, cached, never required.
 
-`ops()` returns `torch.ops.hetero_run` with `nvfp4_linear`, `nvfp4_dequant`, `dense_linear` and
-`cpu_features`, or None when the library cannot be built or loaded here (no compiler, no
-headers, unusual platform): callers then use the plain-PyTorch paths, after one warning.
+`ops()` returns `torch.ops.hetero_run` with `nvfp4_linear`, `nvfp4_dequant`, `dense_linear`,
+`decode_attention`, `rms_norm` and `cpu_features`, or None when the library cannot be built or
+loaded here (no compiler, no headers, unusual platform): callers then use the plain-PyTorch
+paths, after one warning.
 
 The build takes a few seconds with gcc and is cached under
 `$XDG_CACHE_HOME/hetero-run/torch-extensions/` (default `~/.cache`), keyed by torch version;
@@ -20,7 +21,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / f"{name}.cpp" for name in ("cpu_linear", "nvfp4_avx512", "dense_avx512", "amx", "portable")]
+SOURCES = [CSRC / f"{name}.cpp" for name in ("cpu_linear", "nvfp4_avx512", "dense_avx512", "amx", "portable",
+                                              "decode_ops")]
 NAME = "hetero_run_cpu_linear"
 OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []  # the libgomp torch itself uses
 FEATURE_AVX512 = 1

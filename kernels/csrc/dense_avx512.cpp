@@ -84,33 +84,34 @@ HR_AVX512BF16 void rows_times_x(const typename T::W* w, const typename T::X* x, 
     for (int i = 0; i < G; ++i) y[(i0 + i) * out + r + q] = _mm512_reduce_add_ps(_mm512_add_ps(acc[q][i][0], acc[q][i][1]));
 }
 
-// Up to four x rows per pass over the weight rows. One weight row at a time (a single stream)
-// while x fits in L1 with room to spare; two weight rows at a time once it does not, so x,
-// read from L2, is read half as often (about 17 against 13 GB/s for 8 rows of 4864 inputs).
-template <typename T, int R>
+// One weight row against x in passes of up to four rows (a single weight stream), or, once x
+// no longer fits in half of L1, four weight rows against x in passes of up to three rows, so x,
+// read from L2, is read a quarter as often (for 5 rows of 4864 inputs about 25 against 16 GB/s).
+// Registers: G * R * 2 accumulators + R weight vectors + one x vector, at most 29 of 32.
+template <typename T, int R, int G>
 void rows_times_all_x(const typename T::W* w, const typename T::X* x, int64_t n, int64_t in, int64_t r, float* y,
                       int64_t out) {
   int64_t i0 = 0;
-  for (; i0 + 4 <= n; i0 += 4) rows_times_x<T, R, 4>(w, x, in, r, i0, y, out);
+  for (; i0 + G <= n; i0 += G) rows_times_x<T, R, G>(w, x, in, r, i0, y, out);
   switch (n - i0) {
     case 1: rows_times_x<T, R, 1>(w, x, in, r, i0, y, out); break;
     case 2: rows_times_x<T, R, 2>(w, x, in, r, i0, y, out); break;
-    case 3: rows_times_x<T, R, 3>(w, x, in, r, i0, y, out); break;
+    case 3: if constexpr (G > 3) rows_times_x<T, R, 3>(w, x, in, r, i0, y, out); break;
     default: break;
   }
 }
 
-constexpr int64_t kPairedAbove = 16 << 10;  // bytes of x: half of L1
+constexpr int64_t kBlockedAbove = 16 << 10;  // bytes of x: half of L1
 
 template <typename T>
 void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const typename T::W* w, int64_t out, float* y) {
   const int64_t grain = grain_rows(in * static_cast<int64_t>(sizeof(typename T::W)));
-  const bool pairs = n > 1 && n * in * static_cast<int64_t>(sizeof(typename T::X)) > kPairedAbove;
+  const bool blocked = n > 1 && n * in * static_cast<int64_t>(sizeof(typename T::X)) > kBlockedAbove;
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
     int64_t r = r0;
-    if (pairs)
-      for (; r + 2 <= r1; r += 2) rows_times_all_x<T, 2>(w, x, n, in, r, y, out);
-    for (; r < r1; ++r) rows_times_all_x<T, 1>(w, x, n, in, r, y, out);
+    if (blocked)
+      for (; r + 4 <= r1; r += 4) rows_times_all_x<T, 4, 3>(w, x, n, in, r, y, out);
+    for (; r < r1; ++r) rows_times_all_x<T, 1, 4>(w, x, n, in, r, y, out);
   });
 }
 

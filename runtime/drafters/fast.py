@@ -9,8 +9,8 @@ tree forwards (SLRS) run the same layers with the tree's attention mask.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from hetero_run.kernels.decode_ops import rms_norm
 from hetero_run.runtime.drafters.model import TreeState
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -67,7 +67,7 @@ class FastDraftModel:
         for layer in model.layers:
             h = layer(h, cos, sin, start, mask.to(model.device))
         model.kv.length = start + n
-        return model.lm_head(F.rms_norm(h, model.norm.shape, model.norm, model.config.rms_norm_eps))
+        return model.lm_head(rms_norm(h, model.norm, model.config.rms_norm_eps))
 
     def truncate(self, length: int) -> None:
         self.model.truncate(length)

@@ -5,9 +5,10 @@ of them, or, when there are fewer KV heads than ranks, the one KV head its query
 (replicated on size / num_kv_heads ranks). q/k/v is one fused column-parallel projection,
 o one row-parallel projection: one all-reduce per attention.
 
-Up to VERIFY_MAX_ROWS tokens (decode, speculative verify) each query row attends in its own
-call, over exactly the keys a one-token decode of it would see and without a mask, so it gets
-the decode's bits (batch_invariance.py); longer chunks (prefill) take one masked call.
+Up to VERIFY_MAX_ROWS tokens (decode, speculative verify) each query row attends over exactly
+the keys a one-token decode of it would see, without a mask, so it gets the decode's bits
+(batch_invariance.py; kernels/decode_ops.py, compiled on the CPU); longer chunks (prefill) and
+drafter trees take one masked scaled_dot_product_attention call.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hetero_run.kernels.decode_ops import decode_attention
 from hetero_run.runtime.models.linear import ColumnParallelLinear, RowParallelLinear
 from hetero_run.runtime.models.rotary import Rotary
 
@@ -56,11 +58,10 @@ class Attention:
         end = start + n
         self.k_cache[:, start:end] = k.transpose(0, 1)
         self.v_cache[:, start:end] = v.transpose(0, 1)
-        q = q.transpose(0, 1)[None]  # [1, heads, n, head_dim]
-        if mask is None:  # causal, one row at a time (the decoder passes a mask only for long chunks and trees)
-            out = torch.cat([self._attend(q[:, :, i:i + 1], start + i + 1, None) for i in range(n)], dim=2)
-        else:
-            out = self._attend(q, end, mask)
+        if mask is None:  # causal, each row as a one-token decode (the decoder passes a mask only for long chunks
+            out = decode_attention(q, self.k_cache, self.v_cache, start, self.scale)  # and drafter trees)
+            return self.o(out.reshape(n, self.heads * self.head_dim))
+        out = self._attend(q.transpose(0, 1)[None], end, mask)  # [1, heads, n, head_dim]
         return self.o(out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
 
     def _attend(self, q: torch.Tensor, keys: int, mask: torch.Tensor | None) -> torch.Tensor:

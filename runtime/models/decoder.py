@@ -13,9 +13,9 @@ activations are split.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from hetero_run.kernels.batch_invariance import invariant
+from hetero_run.kernels.decode_ops import rms_norm
 from hetero_run.runtime.models.attention import Attention
 from hetero_run.runtime.models.config import ModelConfig
 from hetero_run.runtime.models.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -39,8 +39,8 @@ class DecoderLayer:
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
                  mask: torch.Tensor | None) -> torch.Tensor:  # [n, hidden], updated in place
-        h += self.attention(F.rms_norm(h, self.shape, self.input_norm, self.eps), cos, sin, start, mask)
-        h += self.mlp(F.rms_norm(h, self.shape, self.post_norm, self.eps))
+        h += self.attention(rms_norm(h, self.input_norm, self.eps), cos, sin, start, mask)
+        h += self.mlp(rms_norm(h, self.post_norm, self.eps))
         return h
 
 
@@ -137,7 +137,7 @@ class TargetModel:
             if self.capture_sink is not None:
                 self.capture_sink(first_slot, self.captured)
         h = kept[0] if len(kept) == 1 else torch.cat(kept)
-        return self.lm_head(F.rms_norm(h, self.norm.shape, self.norm, self.config.rms_norm_eps))
+        return self.lm_head(rms_norm(h, self.norm, self.config.rms_norm_eps))
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, captured: list) -> torch.Tensor:
         start, n = self.kv.length, ids.shape[0]

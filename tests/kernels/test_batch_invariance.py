@@ -11,7 +11,7 @@ from hetero_run.kernels.nvfp4_linear import nvfp4_linear
 
 ROWS = (2, 3, 8, 9, 16, 17, 25, VERIFY_MAX_ROWS)
 # in % 32 == 0 and not (NVFP4 needs in % 16 == 0); 1040 inputs: x no longer fits in half of L1
-# from a few rows on, and the dense kernel reads weight rows in pairs
+# from a few rows on, and the dense kernel reads weight rows four at a time (26: and one by one)
 SHAPES = [(96, 256), (72, 80), (40, 112), (26, 1040)]
 DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
           (torch.bfloat16, torch.float32)]

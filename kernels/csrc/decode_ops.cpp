@@ -1,0 +1,258 @@
+// The per-token operations between a decoder layer's matrix products, for decode and verify
+// forwards on the CPU: causal attention of a few new query rows over the KV cache, and RMS norm.
+//
+// PyTorch's CPU scaled_dot_product_attention costs about 0.75 ms per layer for one bf16 query
+// row over 1000 cached keys (0.15 ms over 200): more than the layer's weights take to stream at
+// long contexts. Here each (query row, head) is one task over exactly the keys a one-token
+// decode of that row sees, in one fixed order, so the result does not depend on how many rows
+// came together (batch_invariance.py), and a bf16 cache is widened as it is read.
+//
+// Ops (namespace hetero_run; references in kernels/decode_ops.py):
+//   decode_attention(q [n, heads, d], k [kv_heads, slots, d], v [kv_heads, slots, d], start, scale)
+//       -> [n, heads, d]: row i attends to slots 0 .. start + i; query head h reads KV head
+//       h / (heads / kv_heads); q, k, v float32 or bfloat16 (one dtype); softmax in float32.
+//   rms_norm(x [n, d], w [d], eps) -> [n, d]: x / sqrt(mean(x^2) + eps) * w, in float32, rounded once.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include <limits>
+
+#include "cpu_kernels.h"
+
+#if HR_X86
+#include <immintrin.h>
+#endif
+
+namespace hetero_run_cpu {
+namespace {
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t h) { return bf16_to_float(h); }
+inline void store(float* p, float v) { *p = v; }
+inline void store(uint16_t* p, float v) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x7fffffu)) {
+    *p = static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *p = static_cast<uint16_t>(bits >> 16);
+}
+
+// ---------------------------------------------------------------- portable loops
+
+template <typename T>
+void attend_generic(const T* q, const T* k, const T* v, int64_t keys, int64_t d, int64_t key_stride, float scale,
+                    float* scores, float* acc, T* out) {
+  float top = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < keys; ++j) {
+    const T* kj = k + j * key_stride;
+    float s = 0.f;
+    for (int64_t e = 0; e < d; ++e) s += to_float(q[e]) * to_float(kj[e]);
+    scores[j] = s * scale;
+    top = std::max(top, scores[j]);
+  }
+  float total = 0.f;
+  for (int64_t e = 0; e < d; ++e) acc[e] = 0.f;
+  for (int64_t j = 0; j < keys; ++j) {
+    const float p = std::exp(scores[j] - top);
+    total += p;
+    const T* vj = v + j * key_stride;
+    for (int64_t e = 0; e < d; ++e) acc[e] += p * to_float(vj[e]);
+  }
+  for (int64_t e = 0; e < d; ++e) store(out + e, acc[e] / total);
+}
+
+template <typename T>
+void rms_norm_generic(const T* x, const T* w, int64_t d, float eps, T* y) {
+  float ss = 0.f;
+  for (int64_t e = 0; e < d; ++e) ss += to_float(x[e]) * to_float(x[e]);
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t e = 0; e < d; ++e) store(y + e, to_float(x[e]) * r * to_float(w[e]));
+}
+
+// ---------------------------------------------------------------- AVX-512 (d a multiple of 16)
+
+#if HR_X86
+HR_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+HR_AVX512 inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+HR_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+HR_AVX512 inline void store16(uint16_t* p, __m512 v) {
+  for (int i = 0; i < 16; ++i) store(p + i, v[i]);
+}
+
+// exp for the softmax: 2^n * e^r with |r| <= ln2/2, e^r by a degree-6 polynomial (relative
+// error about 2e-7); inputs are <= 0 here, and below -87 the result is 0.
+HR_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+constexpr int kMaxD = 256;  // head_dim up to this takes the vector path
+
+template <typename T>
+HR_AVX512 void attend_avx512(const T* q, const T* k, const T* v, int64_t keys, int64_t d, int64_t key_stride,
+                             float scale, float* scores, T* out) {
+  const int64_t parts = d / 16;
+  __m512 qv[kMaxD / 16];
+  for (int64_t c = 0; c < parts; ++c) qv[c] = _mm512_mul_ps(load16(q + 16 * c), _mm512_set1_ps(scale));
+  __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < keys; ++j) {
+    const T* kj = k + j * key_stride;
+    __m512 s = _mm512_mul_ps(qv[0], load16(kj));
+    for (int64_t c = 1; c < parts; ++c) s = _mm512_fmadd_ps(qv[c], load16(kj + 16 * c), s);
+    scores[j] = _mm512_reduce_add_ps(s);
+  }
+  int64_t j = 0;
+  for (; j + 16 <= keys; j += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(scores + j));
+  float m = _mm512_reduce_max_ps(top);
+  for (; j < keys; ++j) m = std::max(m, scores[j]);
+  const __m512 mv = _mm512_set1_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (j = 0; j < keys; j += 16) {  // probabilities, 16 at a time (the tail masked)
+    const __mmask16 live = keys - j >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << (keys - j)) - 1);
+    const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + j), mv));
+    _mm512_mask_storeu_ps(scores + j, live, p);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(live, p));
+  }
+  __m512 acc[kMaxD / 16];
+  for (int64_t c = 0; c < parts; ++c) acc[c] = _mm512_setzero_ps();
+  for (j = 0; j < keys; ++j) {
+    const T* vj = v + j * key_stride;
+    const __m512 p = _mm512_set1_ps(scores[j]);
+    for (int64_t c = 0; c < parts; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vj + 16 * c), acc[c]);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+  for (int64_t c = 0; c < parts; ++c) store16(out + 16 * c, _mm512_mul_ps(acc[c], inv));
+}
+
+template <typename T>
+HR_AVX512 void rms_norm_avx512(const T* x, const T* w, int64_t d, float eps, T* y) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; e += 16) {
+    const __m512 xv = load16(x + e);
+    ss = _mm512_fmadd_ps(xv, xv, ss);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps));
+  for (int64_t e = 0; e < d; e += 16) store16(y + e, _mm512_mul_ps(_mm512_mul_ps(load16(x + e), r), load16(w + e)));
+}
+#endif
+
+bool vector_path(int64_t d) {
+#if HR_X86
+  return has_avx512() && d % 16 == 0 && d <= kMaxD;
+#else
+  (void)d;
+  return false;
+#endif
+}
+
+template <typename T>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start, float scale,
+                           at::Tensor& out) {
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(0);
+  const int64_t group = heads / kv_heads;
+  const T* qd = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kd = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vd = reinterpret_cast<const T*>(v.data_ptr());
+  T* od = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t k_head = k.stride(0), v_head = v.stride(0), k_slot = k.stride(1);
+  const bool vec = vector_path(d);
+  at::parallel_for(0, n * heads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(start + n), acc(d);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t / heads, h = t % heads, g = h / group, keys = start + i + 1;
+      const T* qi = qd + (i * heads + h) * d;
+      T* oi = od + (i * heads + h) * d;
+#if HR_X86
+      if (vec) {
+        attend_avx512(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), oi);
+        continue;
+      }
+#endif
+      (void)vec;
+      attend_generic(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), acc.data(), oi);
+    }
+  });
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                            double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be 3-D");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "q, k and v must be on the CPU");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "q, k and v must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == v.stride(1), "k and v need contiguous rows "
+              "with one slot stride");
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(0);
+  TORCH_CHECK(k.size(2) == d && v.size(2) == d && v.size(0) == kv_heads, "q, k and v head_dim / kv heads differ");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads do not share ", kv_heads, " KV heads");
+  TORCH_CHECK(start >= 0 && start + n <= k.size(1) && start + n <= v.size(1), "slots 0 .. ", start + n - 1,
+              " are not all in the cache of ", k.size(1));
+  at::Tensor out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat)
+    decode_attention_impl<float>(q, k, v, start, static_cast<float>(scale), out);
+  else
+    decode_attention_impl<uint16_t>(q, k, v, start, static_cast<float>(scale), out);
+  return out;
+}
+
+template <typename T>
+void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, float eps, at::Tensor& y) {
+  const int64_t n = x.size(0), d = x.size(1);
+  const T* xd = reinterpret_cast<const T*>(x.data_ptr());
+  const T* wd = reinterpret_cast<const T*>(w.data_ptr());
+  T* yd = reinterpret_cast<T*>(y.data_ptr());
+  const bool vec = vector_path(d);
+  for (int64_t i = 0; i < n; ++i) {  // a few rows of a few thousand values: not worth waking threads
+#if HR_X86
+    if (vec) {
+      rms_norm_avx512(xd + i * d, wd, d, eps, yd + i * d);
+      continue;
+    }
+#endif
+    (void)vec;
+    rms_norm_generic(xd + i * d, wd, d, eps, yd + i * d);
+  }
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1), "w must be [", x.size(1), "]");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w must share a dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  at::Tensor y = at::empty_like(x);
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_impl<float>(x, w, static_cast<float>(eps), y);
+  else
+    rms_norm_impl<uint16_t>(x, w, static_cast<float>(eps), y);
+  return y;
+}
+
+}  // namespace
+}  // namespace hetero_run_cpu
+
+TORCH_LIBRARY_FRAGMENT(hetero_run, m) {
+  m.def("decode_attention(Tensor q, Tensor k, Tensor v, int start, float scale) -> Tensor",
+        &hetero_run_cpu::decode_attention);
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &hetero_run_cpu::rms_norm);
+}

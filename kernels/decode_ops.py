@@ -1,0 +1,50 @@
+"""Attention of a few new tokens over the KV cache, and RMS norm: the compiled CPU kernels
+(`csrc/decode_ops.cpp`) where they apply, PyTorch otherwise.
+
+Both compute each row on its own, in an order that does not depend on how many rows came
+together, so decode and verify forwards stay batch-invariant (batch_invariance.py). The
+PyTorch paths are the references: attention one query row at a time through
+`scaled_dot_product_attention` (its fused CPU kernel, over exactly that row's keys), and
+`F.rms_norm`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hetero_run.kernels import cpu_ext
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """q [n, heads, d] at cache slots start .. start + n - 1; k, v [kv_heads, slots, d] (the
+    cache, keys of the new rows already written) -> [n, heads, d]. Row i attends to slots
+    0 .. start + i; query head h reads KV head h // (heads // kv_heads)."""
+    lib = cpu_ext.ops()
+    if (lib is not None and q.is_cpu and q.dtype in KERNEL_DTYPES and q.dtype == k.dtype == v.dtype
+            and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == v.stride(1)):
+        return lib.decode_attention(q.contiguous(), k, v, start, scale)
+    return decode_attention_reference(q, k, v, start, scale)
+
+
+def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                               scale: float) -> torch.Tensor:
+    heads, kv_heads = q.shape[1], k.shape[0]
+    rows = q.transpose(0, 1)[None]  # [1, heads, n, d]; 4-D inputs take PyTorch's fused CPU kernel
+    out = [F.scaled_dot_product_attention(rows[:, :, i:i + 1], k[None, :, :start + i + 1], v[None, :, :start + i + 1],
+                                          scale=scale, enable_gqa=heads != kv_heads)
+           for i in range(q.shape[0])]
+    return torch.cat(out, dim=2)[0].transpose(0, 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., d] / sqrt(mean(x^2) + eps) * weight [d], in x's dtype (called ~50 times a token:
+    the checks are kept to a few attribute reads)."""
+    lib = cpu_ext.ops()
+    if lib is not None and x.is_cpu and x.dtype in KERNEL_DTYPES and x.dtype == weight.dtype:
+        if x.dim() == 2 and x.is_contiguous():
+            return lib.rms_norm(x, weight, eps)
+        return lib.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
