@@ -6,12 +6,14 @@ loaded here (no compiler, no headers, unusual platform): callers then use the pl
 paths, after one warning.
 
 The build takes a few seconds with gcc and is cached under
-`$XDG_CACHE_HOME/hetero-run/torch-extensions/` (default `~/.cache`), keyed by torch version;
-torch rebuilds it when the source changes. Set `HETERO_RUN_CPU_KERNELS=0` to skip it.
+`$XDG_CACHE_HOME/hetero-run/torch-extensions/` (default `~/.cache`), keyed by torch version.
+A library built from the same sources and flags (a hash kept beside it) loads directly; any
+change rebuilds it through torch's extension builder. Set `HETERO_RUN_CPU_KERNELS=0` to skip it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
@@ -67,27 +69,45 @@ def _reason(exc: Exception) -> str:
     return (errors or lines or [type(exc).__name__])[0][:300]
 
 
+CFLAGS = ["-O3", "-fno-math-errno", f"-I{CSRC}", *OPENMP]  # -fopenmp: at::parallel_for is inline OpenMP
+
+
+def build_key() -> str:
+    """What the built library was built from: sources, header, flags, torch and Python."""
+    digest = hashlib.sha256()
+    for path in [*SOURCES, *sorted(CSRC.glob("*.h"))]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(repr((CFLAGS, torch.__version__, sys.version_info[:2])).encode())
+    return digest.hexdigest()
+
+
 def _load():
     if hasattr(torch.ops.hetero_run, "nvfp4_linear"):  # already registered in this process
         return torch.ops.hetero_run
     try:
-        from torch.utils.cpp_extension import load
-
         build = cache_dir()
-        build.mkdir(parents=True, exist_ok=True)
-        load(
-            name=NAME,
-            sources=[str(p) for p in SOURCES],
-            # at::parallel_for is inline OpenMP: without -fopenmp the kernels run on one thread
-            extra_cflags=["-O3", "-fno-math-errno", f"-I{CSRC}", *OPENMP],
-            extra_ldflags=OPENMP,
-            build_directory=str(build),
-            is_python_module=False,
-            verbose=False,
-        )
+        library, stamp = build / f"{NAME}.so", build / f"{NAME}.key"
+        key = build_key()
+        if library.is_file() and stamp.is_file() and stamp.read_text() == key:
+            # built from exactly these sources: load it without torch's build machinery, which
+            # imports setuptools (a few MiB in every rank) and re-checks the build with ninja
+            torch.ops.load_library(str(library))
+        else:
+            _build(build)
+            fresh = stamp.with_name(f"{stamp.name}.{os.getpid()}")
+            fresh.write_text(key)
+            os.replace(fresh, stamp)  # ranks building at once write the same key
         lib = torch.ops.hetero_run
         log.debug("CPU kernels loaded from %s (features %d)", build, int(lib.cpu_features()))
         return lib
     except Exception as exc:  # any build or load failure means: use the PyTorch paths
         log.warning("compiled CPU kernels unavailable (%s); using the slower PyTorch paths", _reason(exc))
         return None
+
+
+def _build(build: Path) -> None:
+    from torch.utils.cpp_extension import load
+
+    build.mkdir(parents=True, exist_ok=True)
+    load(name=NAME, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=OPENMP,
+         build_directory=str(build), is_python_module=False, verbose=False)

@@ -372,8 +372,9 @@ def run(args: argparse.Namespace) -> int:
         model = together(dist, "load the target", lambda: load_model(
             config.target, ctx, max_tokens=config.context, dtype=config.dtype, prefill_chunk=config.prefill_chunk,
             embedding_split=split, pending_bytes=pending))
-        log.info("target %s: %s, TP=%d, %.2f GB of weights per rank, KV cache %d tokens, loaded in %.1f s",
-                 config.target.name, model.config.arch, ctx.size, model.weight_nbytes / 1e9, model.max_tokens,
+        log.info("target %s: %s, TP=%d, %.2f GB of weights on rank %d (embedding rows %d..%d), KV cache %d tokens, "
+                 "loaded in %.1f s", config.target.name, model.config.arch, ctx.size, model.weight_nbytes / 1e9,
+                 ctx.rank, model.embed.first, model.embed.first + model.embed.rows - 1, model.max_tokens,
                  time.perf_counter() - start)
         prompts, tokenizer = inputs if dist.is_driver else (None, None)
         drafter = together(dist, "load the drafter", lambda: speculate.load(

@@ -23,15 +23,6 @@ def _row_by_row_equal(f, x: torch.Tensor) -> list[int]:
     return [i for i in range(x.shape[0]) if not torch.equal(y[i:i + 1], f(x[i:i + 1]))]
 
 
-@pytest.fixture(params=["compiled", "pytorch"])
-def library(request, monkeypatch):
-    if request.param == "compiled" and cpu_ext.ops() is None:
-        pytest.skip("the compiled kernels do not build here")
-    if request.param == "pytorch":
-        monkeypatch.setitem(cpu_ext._state, "ops", None)
-    return request.param
-
-
 @pytest.mark.parametrize("x_dtype, w_dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("out, inp", SHAPES)
 def test_dense_rows_do_not_depend_on_the_batch(library, x_dtype, w_dtype, out, inp):

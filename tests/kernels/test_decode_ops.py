@@ -10,15 +10,6 @@ from hetero_run.kernels import cpu_ext
 from hetero_run.kernels.decode_ops import decode_attention, decode_attention_reference, rms_norm
 
 
-@pytest.fixture(params=["compiled", "pytorch"])
-def library(request, monkeypatch):
-    if request.param == "compiled" and cpu_ext.ops() is None:
-        pytest.skip("the compiled kernels do not build here")
-    if request.param == "pytorch":
-        monkeypatch.setitem(cpu_ext._state, "ops", None)
-    return request.param
-
-
 def _attention_float64(q, k, v, start, scale):
     """Row i over slots 0 .. start + i, query head h on KV head h // group, in float64."""
     n, heads, _ = q.shape

@@ -128,6 +128,17 @@ def test_without_compiled_kernels_the_pytorch_paths_give_the_same_results(tmp_pa
     assert proc.stderr.count("compiled CPU kernels unavailable") == 1
 
 
+def test_a_library_built_from_these_sources_loads_without_the_build_machinery():
+    if cpu_ext.ops() is None:
+        pytest.skip("the compiled kernels do not build here")
+    assert (cpu_ext.cache_dir() / f"{cpu_ext.NAME}.key").read_text() == cpu_ext.build_key()
+    code = ("import sys; from hetero_run.kernels import cpu_ext\n"
+            "assert cpu_ext.ops() is not None\n"
+            "print('setuptools' in sys.modules, 'torch.utils.cpp_extension' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.split() == ["False", "False"], proc.stdout + proc.stderr
+
+
 def test_disabled_by_environment(tmp_path):
     code = "from hetero_run.kernels import cpu_ext; print(cpu_ext.ops())"
     env = dict(os.environ, HETERO_RUN_CPU_KERNELS="0")
