@@ -88,7 +88,7 @@ def _orchestrate(args) -> None:
         jobs[config] = ([sys.executable, __file__, "--worker", "ours", "--target", str(checkpoints[quant]),
                          "--new-tokens", str(args.new_tokens), "--embedding-split", args.embedding_split],
                         int(tp[2:]), 1 if cores else None)
-    runs, peaks = {}, {}
+    runs, peaks, shares = {}, {}, {}
     for round_ in range(args.repeat):
         for name, (argv, tp, threads) in jobs.items():
             before = measure_bandwidth()
@@ -96,11 +96,13 @@ def _orchestrate(args) -> None:
             run["bandwidth_gbps"] = run.get("stream_gbps") or max(before, measure_bandwidth())
             _line(name if args.repeat == 1 else f"{name} #{round_ + 1}", run)
             peaks.setdefault(name, []).append([r["peak_rss"] for r in run["ranks"]])
+            shares.setdefault(name, []).append(_share(run))
             if name not in runs or run["decode_tps"] > runs[name]["decode_tps"]:
                 runs[name] = run
-    for name, run in runs.items():  # speed: the fastest run; memory: each rank's median over the runs
+    for name, run in runs.items():  # speed: the fastest run; memory and roofline: medians over the runs
         for rank, info in enumerate(run["ranks"]):
             info["peak_rss"] = statistics.median_low(p[rank] for p in peaks[name])
+        run["roofline_share"] = statistics.median(shares[name])
     _table(runs)
     if args.json:
         print(json.dumps({"runs": runs}))
@@ -141,10 +143,15 @@ def _spawn(argv: list[str], tp: int, threads: int | None) -> dict:
     return json.loads(lines[-1])
 
 
+def _share(run: dict) -> float:
+    """Decode's weight traffic as a share of the bandwidth measured with that run."""
+    return run["decode_bytes"] / 1e9 * run["decode_tps"] / run["bandwidth_gbps"]
+
+
 def _line(name: str, run: dict) -> None:
     ranks = ", ".join(f"rank {r['rank']} {r['peak_rss'] / 2**20:.0f}" for r in run["ranks"])
     print(f"  {name:18s} decode {run['decode_tps']:6.2f} tok/s, overall {run['overall_tps']:6.2f} tok/s, "
-          f"peak RSS {ranks} MiB, bandwidth {run['bandwidth_gbps']:.1f} GB/s", flush=True)
+          f"peak RSS {ranks} MiB, bandwidth {run['bandwidth_gbps']:.1f} GB/s, roofline {_share(run):.0%}", flush=True)
 
 
 def _table(runs: dict) -> None:
@@ -171,11 +178,12 @@ def _table(runs: dict) -> None:
             equal = f"{sum(same)}/{sum(len(t) for t in ref['token_ids'])}"
         achieved = gb * run["decode_tps"]
         print(f"{name:18s} {run['decode_tps']:12.2f} {ms:9.1f} {run['overall_tps']:8.2f} {speed:>6s} {gb:9.3f} "
-              f"{achieved:6.1f} {run['bandwidth_gbps']:5.1f} {achieved / run['bandwidth_gbps']:9.0%} "
+              f"{achieved:6.1f} {run['bandwidth_gbps']:5.1f} {run['roofline_share']:9.0%} "
               f"{rss / 2**20:10.0f} MiB {versus:>14s} {one_core:>9s} {equal:>16s}")
     print("\nGB/s = weight bytes read per token x decode tok/s, of the bandwidth measured during the run (TP=1:"
           "\nafter each prompt, with the run's threads, the median; TP=2 and transformers: just before and after it,"
-          "\nthe better of the two): roofline is their ratio (all ranks share this machine's memory);"
+          "\nthe better of the two); roofline = decode's GB/s over that run's bandwidth, the median over the runs"
+          "\n(all ranks share this machine's memory); the other columns are the fastest run's, memory the median;"
           "\nvs TP=1 = per-token latency ratio and peak-RSS ratio (largest rank) against the same format at TP=1;"
           "\nvs 1 core = per-token latency ratio against TP=1 on one core (what one rank of TP=2 has here);"
           "\nHF-equal tokens = leading greedy tokens identical to transformers fp32 (bf16 rounding may diverge).")
