@@ -236,7 +236,7 @@ def _ours_worker(args) -> None:
     from hetero_run.kernels.sampling import SamplingParams
     from hetero_run.launch.bootstrap import LaunchSettings, launched
     from hetero_run.launch.generate import TargetOnly
-    from hetero_run.runtime.models.embedding import measure
+    from hetero_run.runtime.models.balance import measure
     from hetero_run.runtime.models.loader import load_model
     from hetero_run.runtime.models.parallel import ParallelContext
     from hetero_run.runtime.runner import TargetRunner, serve_worker

@@ -7,7 +7,6 @@ model or state dict (`TensorSource`), e.g. a same-architecture drafter run at TP
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,9 +14,10 @@ import torch
 
 from hetero_run.runtime.checkpoint import Checkpoint, CheckpointError, TensorMeta, slice_span
 from hetero_run.runtime.models.attention import Attention
+from hetero_run.runtime.models.balance import balance, even_rows, return_freed_memory
 from hetero_run.runtime.models.config import ModelConfig
 from hetero_run.runtime.models.decoder import DecoderLayer, TargetModel
-from hetero_run.runtime.models.embedding import ParallelLMHead, VocabParallelEmbedding, balance, even_rows
+from hetero_run.runtime.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from hetero_run.runtime.models.kv_cache import KVCache
 from hetero_run.runtime.models.linear import ColumnParallelLinear, RowParallelLinear
 from hetero_run.runtime.models.mlp import GatedMLP
@@ -102,12 +102,13 @@ class OwnedReads:
         meta = self.ckpt.meta(name)
         if dim not in (None, 0):
             return self._owned(name, dim=dim, part=part, span=span)
-        start, stop = slice_span(name, meta.shape, 0, part, span, meta.file) or (0, meta.shape[0] if meta.shape else 0)
+        if not meta.shape:
+            return self._owned(name)
+        start, stop = slice_span(name, meta.shape, 0, part, span, meta.file) or (0, meta.shape[0])
         rows = stop - start
-        row_bytes = meta.nbytes // meta.shape[0] if meta.shape and meta.shape[0] else 0
-        step = max(1, self.piece_bytes // max(row_bytes, 1))
+        step = max(1, self.piece_bytes * meta.shape[0] // max(meta.nbytes, 1))  # rows per piece
         if rows <= step:
-            return self._owned(name, dim=0 if meta.shape else None, span=(start, stop) if meta.shape else None)
+            return self._owned(name, dim=0, span=(start, stop))
         out = torch.empty((rows, *meta.shape[1:]), dtype=meta.dtype)
         for first in range(start, stop, step):  # e.g. rank 1's half of the embedding, 16 MiB at a time
             last = min(stop, first + step)
@@ -204,7 +205,7 @@ def load_model(source, ctx: ParallelContext | None = None, *, max_tokens: int | 
         return _Builder(reads, config, ctx, run_dtype, rows).model(max_tokens, prefill_chunk)
     finally:
         src.close()
-        _return_freed_memory()
+        return_freed_memory()
 
 
 def _tied(config: ModelConfig, src: Checkpoint) -> bool:
@@ -229,14 +230,6 @@ def _embedding_rows(split: str | Sequence[int], config: ModelConfig, src: Checkp
         raise ConfigError("a tied lm_head shares the embedding, whose rows are then split evenly",
                           field="embedding_split")
     return rows
-
-
-def _return_freed_memory() -> None:
-    """Loading frees many transient copies; glibc keeps such heap pages unless asked to trim."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 class _Builder:
@@ -276,8 +269,7 @@ class _Builder:
         layers = []
         for i in range(cfg.num_layers):
             layers.append(self.layer(i, kv, rotary))
-            self.src.close()  # unmaps what this layer read ...
-            _return_freed_memory()  # ... and hands its transient copies back: the peak stays near the total
+            return_freed_memory()  # the layer's transient copies (parts of fused weights): the peak stays low
         norm = self.tensor("model.norm.weight", (hidden,))
         tied = _tied(cfg, self.src)
         head = DenseWeight(embed.weight) if tied else self.linear("lm_head", (cfg.vocab_size, hidden), self.col)

@@ -6,7 +6,8 @@ import torch
 from tiny_models import tiny_checkpoint
 
 from hetero_run.runtime.checkpoint import Checkpoint, CheckpointError
-from hetero_run.runtime.models.embedding import RankMemory, VocabParallelEmbedding, balanced_rows, committed
+from hetero_run.runtime.models.balance import RankMemory, balanced_rows, committed
+from hetero_run.runtime.models.embedding import VocabParallelEmbedding
 from hetero_run.runtime.models.loader import load_model
 from hetero_run.runtime.models.parallel import ParallelContext
 from hetero_run.topology.errors import ConfigError
