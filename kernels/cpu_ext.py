@@ -6,9 +6,10 @@ loaded here (no compiler, no headers, unusual platform): callers then use the pl
 paths, after one warning.
 
 The build takes a few seconds with gcc and is cached under
-`$XDG_CACHE_HOME/hetero-run/torch-extensions/` (default `~/.cache`), keyed by torch version.
-A library built from the same sources and flags (a hash kept beside it) loads directly; any
-change rebuilds it through torch's extension builder. Set `HETERO_RUN_CPU_KERNELS=0` to skip it.
+`$XDG_CACHE_HOME/hetero-run/torch-extensions/` (default `~/.cache`), one folder per torch
+version and per hash of the sources and flags, so checkouts with different sources on one
+machine never overwrite each other's library. A library built from the same sources and flags
+(the hash kept beside it) loads directly; otherwise torch's extension builder builds it. Set `HETERO_RUN_CPU_KERNELS=0` to skip it.
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ _state: dict = {}
 
 
 def cache_dir() -> Path:
+    """Where the library built from these sources lives."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     version = torch.__version__.replace("+", "_")
-    return base / "hetero-run" / "torch-extensions" / f"torch{version}-py{sys.version_info[0]}{sys.version_info[1]}"
+    tag = f"torch{version}-py{sys.version_info[0]}{sys.version_info[1]}"
+    return base / "hetero-run" / "torch-extensions" / tag / build_key()[:16]
 
 
 def enabled() -> bool:
