@@ -3,14 +3,14 @@
 The runtime's decoder (static KV cache, fused projections, PyTorch's fused CPU attention) runs
 a drafter step with far less per-layer overhead than transformers, which matters for a
 drafter that must cost a small fraction of a target step. Chains use the model's own forward;
-tree forwards (SLRS) run the same layers with the tree's attention mask.
+tree forwards (SLRS) append the tree's nodes, each attending to the cache before the tree, its
+ancestors and itself.
 """
 
 from __future__ import annotations
 
 import torch
 
-from hetero_run.kernels.decode_ops import rms_norm
 from hetero_run.runtime.drafters.model import TreeState
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -56,18 +56,17 @@ class FastDraftModel:
         return logits if head is None else logits.index_select(-1, head)
 
     def _tree_forward(self, ids: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-        model = self.model
+        sequence = self.model.sequence
         if self.tree is None:
-            self.tree = TreeState(model.length)
-        positions, mask = self.tree.add(parents.tolist())  # [n], [n, start + n]
-        start, n = model.kv.length, ids.numel()
-        model.kv.check_room(n)
-        h = model.embed(ids.to(model.device))  # [n, hidden]
-        cos, sin = model.rotary.tables(positions.to(model.device))
-        for layer in model.layers:
-            h = layer(h, cos, sin, start, mask.to(model.device))
-        model.kv.length = start + n
-        return model.lm_head(rms_norm(h, model.norm, model.config.rms_norm_eps))
+            self.tree = TreeState(sequence.length)
+        tree, first = self.tree, len(self.tree.parents)
+        positions, _ = tree.add(parents.tolist())
+        n = ids.numel()
+        paths = [[tree.base + j for j in range(i + 1) if tree.ancestors[i] >> j & 1] for i in range(first, first + n)]
+        offsets = torch.tensor([0] + [len(p) for p in paths]).cumsum(0)
+        extras = torch.tensor([x for p in paths for x in p], dtype=torch.long)
+        return sequence.append(ids, positions, torch.full((n,), tree.base, dtype=torch.long), torch.arange(n),
+                               offsets, extras)
 
     def truncate(self, length: int) -> None:
         self.model.truncate(length)

@@ -46,13 +46,17 @@ def reference(arch: str, prompt: str) -> list[int]:
 @pytest.mark.parametrize("kind", ["random", "aligned"])
 def test_greedy_output_is_the_target_alones(arch, layout, kind):
     engine, _ = setup(arch, layout, kind)
-    accepted = drafted = 0
+    drafted = 0
     for prompt in PROMPTS:
         result = engine.generate(prompt, NEW, stop_ids=set())
         assert result.token_ids == reference(arch, prompt), (arch, layout, kind, prompt)
-        accepted, drafted = accepted + result.accepted, drafted + result.drafted
+        drafted += result.drafted
     assert drafted > 0 and set(result.algorithms) == {"eagle3"}
-    if kind == "aligned":
+    if kind == "aligned":  # one draft token a round, so the figure does not depend on measured timings
+        engine, _ = setup(arch, layout, kind, adaptive=False, draft_len=1)
+        results = [engine.generate(prompt, NEW, stop_ids=set()) for prompt in PROMPTS]
+        assert all(r.token_ids == reference(arch, p) for r, p in zip(results, PROMPTS, strict=True))
+        accepted, drafted = sum(r.accepted for r in results), sum(r.drafted for r in results)
         assert accepted > 0.2 * drafted, "the aligned head's drafts must be accepted often"
 
 
