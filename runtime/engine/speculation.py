@@ -130,13 +130,14 @@ class Speculation:
             cap = min(seq.room - 1, scheduler_room(seq, blocks))
             k = 0 if name == "none" or cap <= 0 else min(state.lengths[name].next(), cap)
             wanted[i] = k
-            rounds[i] = RoundRows(name, k, RoundPlan(torch.empty(0, dtype=torch.long), None, seq.computed), 0.0)
+            rounds[i] = RoundRows(name, k, state.proposers["none"].empty(seq.computed), 0.0)
         sizes = self._sizes(scheduled, rounds, wanted, budget)
         for i, r in rounds.items():
             seq = scheduled[i].seq
             state = seq.speculation
             k = sizes.get(i, 0)
-            if r.name == "none" or k == 0:
+            if r.name == "none" or k == 0:  # this round decodes its pending token only
+                rounds[i] = RoundRows("none", 0, state.proposers["none"].empty(seq.computed), 0.0)
                 continue
             begin = time.perf_counter()
             plan = state.proposers[r.name].propose(k, seq.computed)
