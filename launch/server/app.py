@@ -119,6 +119,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         generation = GenerationRequest(ids.id, generation.prompt, generation.max_new_tokens, generation.sampling,
                                        generation.stop_ids, generation.stop_strings, arrival)
         channel = Channel(asyncio.get_running_loop(), metrics.timer(arrival).observe)
+        channel.prompt_ids = generation.prompt.target_ids
         try:
             engine.submit(generation, channel.sink)
         except QueueFull as exc:
@@ -136,11 +137,12 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
     async def _complete(request, req, ids, channel: Channel, chat: bool):
         app.state.open_requests += 1
         watcher = asyncio.create_task(_watch_disconnect(request, lambda: engine.cancel(ids.id)))
-        texts = []
+        texts, tokens = [], []
         try:
             while True:
                 ev = await channel.next()
                 texts.append(ev.text)
+                tokens += ev.token_ids
                 if ev.final:
                     break
         finally:
@@ -152,7 +154,8 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         if ev.finish_reason not in ("stop", "length"):
             raise _final_error(ev)
         build = protocol.chat_response if chat else protocol.completion_response
-        return JSONResponse(build(ids, "".join(texts), ev.finish_reason, ev.usage, ev.speculation))
+        token_ids = (channel.prompt_ids, tokens) if req.return_token_ids else None
+        return JSONResponse(build(ids, "".join(texts), ev.finish_reason, ev.usage, ev.speculation, token_ids))
 
     async def _stream(request, req, ids, channel: Channel, chat: bool):
         usage = req.include_usage

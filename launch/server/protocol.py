@@ -40,6 +40,7 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     n: Literal[1] | None = None
     ignore_eos: bool = False  # vLLM's extension: generate past end-of-sequence tokens
+    return_token_ids: bool = False  # vLLM's extension: the prompt's and the output's token ids in the response
 
     @property
     def new_tokens(self) -> int | None:
@@ -153,17 +154,25 @@ class ResponseIds:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def chat_response(ids: ResponseIds, text: str, finish_reason: str, usage, speculation) -> dict:
-    return {**ids.head("chat.completion"),
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish_reason}],
-            "usage": Usage.of(usage).model_dump(), "speculation": _speculation(speculation)}
+def chat_response(ids: ResponseIds, text: str, finish_reason: str, usage, speculation, token_ids=None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish_reason}
+    return _with_ids({**ids.head("chat.completion"), "choices": [choice], "usage": Usage.of(usage).model_dump(),
+                      "speculation": _speculation(speculation)}, token_ids)
 
 
-def completion_response(ids: ResponseIds, text: str, finish_reason: str, usage, speculation) -> dict:
-    return {**ids.head("text_completion"),
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-            "usage": Usage.of(usage).model_dump(), "speculation": _speculation(speculation)}
+def completion_response(ids: ResponseIds, text: str, finish_reason: str, usage, speculation, token_ids=None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _with_ids({**ids.head("text_completion"), "choices": [choice], "usage": Usage.of(usage).model_dump(),
+                      "speculation": _speculation(speculation)}, token_ids)
+
+
+def _with_ids(body: dict, token_ids) -> dict:
+    if token_ids is not None:
+        prompt_ids, output_ids = token_ids
+        body["prompt_token_ids"] = list(prompt_ids)
+        body["choices"][0]["token_ids"] = list(output_ids)
+    return body
 
 
 def chat_chunk(ids: ResponseIds, delta: dict, finish_reason: str | None = None, include_usage: bool = False,

@@ -169,7 +169,8 @@ def parse_sse(text: str) -> list:
 
 
 def test_chat_stream_framing(engine):
-    response = run(post(engine, "/v1/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": True}}))
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    response = run(post(engine, "/v1/chat/completions", body))
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
     chunks = parse_sse(response.text)
     assert chunks[-1] == "[DONE]"
