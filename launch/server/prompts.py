@@ -4,6 +4,8 @@ and the messages or text for a drafter that reads them its own way. Runs in a wo
 
 from __future__ import annotations
 
+import threading
+
 from hetero_run.launch.generate import encode_chat, encode_text
 from hetero_run.launch.server.errors import bad_request
 from hetero_run.runtime.speculative.prompt import Prompt
@@ -13,6 +15,8 @@ class Prompter:
     def __init__(self, tokenizer, stop_ids: set[int]):
         self.tokenizer = tokenizer
         self.stop_ids = frozenset(stop_ids)
+        # a fast tokenizer may reconfigure itself inside __call__; encodes from many worker threads take turns
+        self._lock = threading.Lock()
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -21,14 +25,17 @@ class Prompter:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("the model's tokenizer has no chat template: use /v1/completions", "messages")
         try:
-            ids = encode_chat(self.tokenizer, conversation)
+            with self._lock:
+                ids = encode_chat(self.tokenizer, conversation)
         except Exception as exc:  # a template that refuses the conversation (e.g. roles out of order)
             raise bad_request(f"the chat template refused the conversation: {exc}", "messages") from None
         return self._checked(Prompt(messages=tuple(conversation), target_ids=tuple(ids)), "messages")
 
     def completion(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, str):
-            return self._checked(Prompt(text=prompt, target_ids=tuple(encode_text(self.tokenizer, prompt))), "prompt")
+            with self._lock:
+                ids = encode_text(self.tokenizer, prompt)
+            return self._checked(Prompt(text=prompt, target_ids=tuple(ids)), "prompt")
         vocab = len(self.tokenizer)
         bad = next((t for t in prompt if t >= vocab), None)
         if bad is not None:

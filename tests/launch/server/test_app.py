@@ -287,3 +287,16 @@ def test_metrics_count_tokens_speculation_and_rejections(engine):
     assert lines["hetero_run:e2e_request_latency_seconds_count"] == 1
     assert lines["hetero_run:kv_cache_usage_perc"] == pytest.approx(4 / 64)
     assert lines['hetero_run:engine_state{state="ready"}'] == 1
+
+
+def test_the_live_line_shows_requests_tok_s_and_acceptance(engine):
+    from hetero_run.launch.server.live import LiveLine
+
+    metrics = Metrics(engine)
+    timer = metrics.timer(0.0)
+    for event in (GenerationEvent("r", "ab", (1, 2)),
+                  GenerationEvent("r", "", (), "length", None, Usage(3, 2), SpeculationSummary("slem", 2, 1, 4, 3))):
+        timer.observe(event)
+    line = LiveLine(engine, metrics, "tiny").render()
+    assert "0.40 tok/s" in line and "running 0" in line and "waiting 0" in line and "acceptance  75.0%" in line
+    assert "1 done, 0 failed" in line
