@@ -5,6 +5,7 @@ mid-stream."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -304,6 +305,32 @@ def test_killing_rank_1_mid_stream_ends_the_stream_with_an_error_and_every_rank(
     assert code != 0 and elapsed < 10
     assert f"rank 1 (host {os.uname().nodename}, pid {victim})" in err + server.log(0)
     assert "Traceback" not in err
+
+
+def test_a_silent_peer_fails_the_stream_once_its_heartbeat_is_late(pair, tmp_path):
+    """Rank 1 frozen (as when the link drops): rank 0's engine is stuck in a collective, and the
+    heartbeat ends the requests and the job after --peer-timeout."""
+    target, drafter = pair
+    server = start_server(target, drafter, tmp_path, *SPEC, "--context", "4096", "--peer-timeout", "5",
+                          env={"HETERO_RUN_API_KEY": API_KEY})
+    victim = server.rank_pid(1)
+    try:
+        chunks, started = [], threading.Event()
+        thread = long_stream(server, 3000, chunks, started)
+        assert started.wait(60)
+        os.kill(victim, signal.SIGSTOP)
+        frozen = time.monotonic()
+        thread.join(30)
+        assert isinstance(chunks[-1], openai.APIError), chunks[-1]
+        assert "rank 1" in str(chunks[-1]) and "sent no heartbeat for 5 s" in str(chunks[-1])
+        code, out, err = server.wait(30)
+        elapsed = time.monotonic() - frozen
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+        stop_server(server)
+    assert code != 0 and elapsed < 5 + 10
+    assert f"rank 1 (host {os.uname().nodename}, pid {victim}) sent no heartbeat for 5 s" in err + server.log(0)
 
 
 def test_one_process_serves_and_ctrl_c_stops_it_with_exit_0(pair, tmp_path, reference):
