@@ -79,6 +79,8 @@ class GenerateConfig:
     drafter: str | None = None  # a path, or eagle3:DIR
     compare: bool = False
     embedding_split: str = "balanced"  # or "even" (loader.load_model)
+    kv_tokens: int | None = None  # paged KV cache slots on each rank; None: one sequence of `context`
+    block_size: int = 16  # tokens per KV cache block
 
     @property
     def algorithm(self) -> str:
@@ -92,6 +94,11 @@ class GenerateConfig:
                 raise ConfigError(f"must be >= 1, got {getattr(self, name)}", field="--" + name.replace("_", "-"))
         if self.context is not None and self.context < 2:
             raise ConfigError(f"must be >= 2, got {self.context}", field="--context")
+        if self.block_size < 1:
+            raise ConfigError(f"must be >= 1, got {self.block_size}", field="--block-size")
+        if self.kv_tokens is not None and self.kv_tokens < self.block_size:
+            raise ConfigError(f"must hold at least one block ({self.block_size} tokens), got {self.kv_tokens}",
+                              field="--kv-cache-tokens")
         if self.dtype not in ("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"):
             raise ConfigError(f"expected auto, bf16 or fp32, got {self.dtype!r}", field="--dtype")
         if not self.target.exists():
@@ -428,11 +435,11 @@ def load(config: GenerateConfig, args: argparse.Namespace, dist, plan, read_inpu
     split, pending = embedding_placement(config, plan, dist.rank)
     model = together(dist, "load the target", lambda: load_model(
         config.target, ctx, max_tokens=config.context, dtype=config.dtype, prefill_chunk=config.prefill_chunk,
-        embedding_split=split, pending_bytes=pending))
-    log.info("target %s: %s, TP=%d, %.2f GB of weights on rank %d (embedding rows %d..%d), KV cache %d tokens, "
-             "loaded in %.1f s", config.target.name, model.config.arch, ctx.size, model.weight_nbytes / 1e9,
-             ctx.rank, model.embed.first, model.embed.first + model.embed.rows - 1, model.max_tokens,
-             time.perf_counter() - start)
+        embedding_split=split, pending_bytes=pending, kv_tokens=config.kv_tokens, block_size=config.block_size))
+    log.info("target %s: %s, TP=%d, %.2f GB of weights on rank %d (embedding rows %d..%d), context %d tokens, "
+             "KV cache %d blocks of %d tokens, loaded in %.1f s", config.target.name, model.config.arch, ctx.size,
+             model.weight_nbytes / 1e9, ctx.rank, model.embed.first, model.embed.first + model.embed.rows - 1,
+             model.max_tokens, model.kv.num_blocks, model.kv.block_size, time.perf_counter() - start)
     prompts, tokenizer = inputs if dist.is_driver else (None, None)
     drafter = together(dist, "load the drafter", lambda: speculate.load(
         args, model, tokenizer, config.target, config.dtype) if dist.is_driver else None)

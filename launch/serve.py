@@ -4,8 +4,9 @@
     mpirun -np 2 --hostfile HOSTS ... hetero-run serve --target DIR --drafter SMALL.gguf --config trtllm.yaml
 
 Rank 0 opens the port first (/health answers 503 while the model loads), loads exactly as
-`hetero-run generate` does (launch/generate.py `load`), then serves requests one at a time in
-arrival order (runtime/engine/serial.py). Lifecycle: loading -> ready -> draining -> stopped.
+`hetero-run generate` does (launch/generate.py `load`), then serves requests in arrival order,
+many at once (runtime/engine: a paged KV cache with prefix caching, continuous batching,
+speculation sized for each step). Lifecycle: loading -> ready -> draining -> stopped.
 SIGTERM or Ctrl-C on rank 0 stops accepting (503), lets running and queued requests finish for
 up to --drain-timeout seconds, aborts the rest, then stops the workers: every rank exits 0. A
 lost peer fails the requests in flight with an error, turns /health to 503 and ends every rank
@@ -56,11 +57,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-requests", action="store_true", help="log prompts and outputs (off by default)")
     group.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                        help="on SIGTERM / Ctrl-C, how long running requests may finish (default 30)")
+    batching = parser.add_argument_group("batching (docs/serve.md)")
+    batching.add_argument("--max-num-seqs", type=int, default=8, metavar="N",
+                          help="requests decoded together in one step (default 8)")
+    batching.add_argument("--max-num-batched-tokens", type=int, default=512, metavar="N",
+                          help="rows in one step: decode and draft rows, then prompt chunks (default 512)")
+    batching.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV cache block "
+                          "(default 16)")
+    batching.add_argument("--kv-cache-tokens", type=int, metavar="N",
+                          help="KV cache slots on each rank, shared by all requests (default: --context times "
+                          "--max-num-seqs, within what the plan leaves free)")
+    batching.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                          help="reuse the KV cache of prompt prefixes earlier requests computed (default on)")
 
 
 # -- the config file ----------------------------------------------------------------------------
 
-TRTLLM_KEYS = {"max_seq_len": "context"}
+TRTLLM_KEYS = {"max_seq_len": "context", "max_batch_size": "max_num_seqs", "max_num_tokens": "max_num_batched_tokens"}
 DECODING_TYPES = {"drafttarget": "draft_target", "draft_target": "draft_target", "eagle3": "eagle3",
                   "eagle": "eagle3", "ngram": "ngram"}
 
@@ -89,15 +102,18 @@ def apply_config_file(args: argparse.Namespace) -> None:
     for key, value in data.items():
         if key == "speculative_config":
             values.update(_speculative_config(value, path))
+        elif key == "kv_cache_config":
+            values.update(_kv_cache_config(value, path))
         elif key in TRTLLM_KEYS:
             values[TRTLLM_KEYS[key]] = value
         elif str(key).replace("-", "_") in actions:
             values[str(key).replace("-", "_")] = value
         else:
-            known = sorted([*actions, *TRTLLM_KEYS, "speculative_config"])
+            known = sorted([*actions, *TRTLLM_KEYS, "speculative_config", "kv_cache_config"])
             near = difflib.get_close_matches(str(key), known, n=1)
             hint = f" (did you mean '{near[0]}'?)" if near else ""
-            raise ConfigError(f"unknown key{hint}; known keys: speculative_config, max_seq_len, or any serve flag by "
+            raise ConfigError(f"unknown key{hint}; known keys: speculative_config, kv_cache_config, max_seq_len, "
+                              "max_batch_size, max_num_tokens, or any serve flag by "
                               "name (e.g. port, max_queue, drafter)", file=path, field=str(key))
     for dest, value in values.items():
         action = actions[dest]
@@ -141,6 +157,17 @@ def _speculative_config(value, path: Path) -> dict:
     return out
 
 
+def _kv_cache_config(value, path: Path) -> dict:
+    if not isinstance(value, dict):
+        raise ConfigError("expected a mapping (enable_block_reuse)", file=path, field="kv_cache_config")
+    out: dict[str, object] = {}
+    for key, item in value.items():
+        if key != "enable_block_reuse":
+            raise ConfigError("unknown key (expected enable_block_reuse)", file=path, field=f"kv_cache_config.{key}")
+        out["enable_prefix_caching"] = item
+    return out
+
+
 def _coerce(action: argparse.Action, value, path: Path, dest: str):
     field = dest
     if action.nargs == 0:  # a store_true flag
@@ -181,16 +208,24 @@ def build_configs(args: argparse.Namespace):
         raise ConfigError(f"not a TCP port: {args.port}", field="--port")
     if not args.drain_timeout >= 0:
         raise ConfigError(f"must be >= 0, got {args.drain_timeout}", field="--drain-timeout")
+    from hetero_run.runtime.engine.engine import EngineConfig
+
+    try:
+        engine = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                              enable_prefix_caching=args.enable_prefix_caching)
+    except ConfigError as exc:
+        raise ConfigError(exc.message, field="--" + (exc.field or "").replace("_", "-")) from None
     config = generate.GenerateConfig(
         target=Path(args.target), sampling=SamplingParams(), json=True, dtype=args.dtype, context=args.context,
         prefill_chunk=args.prefill_chunk, speculation=generate.speculate.speculation_config(args),
-        drafter=args.drafter, embedding_split=args.embedding_split)
+        drafter=args.drafter, embedding_split=args.embedding_split, kv_tokens=args.kv_cache_tokens,
+        block_size=args.block_size)
     name = args.served_model_name or (config.target.stem if config.target.suffix == ".gguf" else config.target.name)
     origins = tuple(o.strip() for o in (args.allowed_origins or "").split(",") if o.strip())
     server = ServerSettings(model=name, api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
                             max_body_bytes=args.max_body_bytes, allowed_origins=origins,
                             log_requests=args.log_requests, version=_version())
-    return config, server
+    return config, server, engine
 
 
 def run(args: argparse.Namespace) -> int:
@@ -199,8 +234,9 @@ def run(args: argparse.Namespace) -> int:
     from hetero_run.launch.bootstrap import launched
     from hetero_run.launch.settings import launch_settings
 
-    config, server = build_configs(args)
+    config, server, engine = build_configs(args)
     plan = generate.check_plan(config, args)
+    config = kv_budget(config, engine, plan)
     settings = launch_settings(args)
     # a drain may take --drain-timeout, then the workers stop and the group comes down
     settings = replace(settings, signal_grace_s=args.drain_timeout + settings.peer_timeout_s + 15.0)
@@ -212,7 +248,21 @@ def run(args: argparse.Namespace) -> int:
         if not dist.is_driver:
             loaded = generate.load(config, args, dist, plan)
             return _worker(loaded, dist)
-        return Rank0(args, config, server, dist, sock).run(plan)
+        return Rank0(args, config, server, engine, dist, sock).run(plan)
+
+
+def kv_budget(config, engine, plan):
+    """--kv-cache-tokens, or --context x --max-num-seqs within the KV room the plan leaves on the
+    fullest rank (at least one full-length sequence)."""
+    from dataclasses import replace
+
+    if config.kv_tokens is not None:
+        return config
+    context = plan.context
+    wanted = context * engine.max_num_seqs
+    per_token = max(r.kv_bytes_per_token for r in plan.ranks)
+    room = min(r.kv_room_bytes for r in plan.ranks) // max(1, per_token)
+    return replace(config, kv_tokens=max(context, min(wanted, room)))
 
 
 def _worker(loaded, dist) -> int:
@@ -232,17 +282,18 @@ def _worker(loaded, dist) -> int:
 class Rank0:
     """The HTTP server, the engine and the lifecycle around them."""
 
-    def __init__(self, args, config, server, dist, sock):
+    def __init__(self, args, config, server, engine_config, dist, sock):
         from hetero_run.launch.log import get_logger
         from hetero_run.launch.server.app import create_app
         from hetero_run.launch.server.http import HttpServer
         from hetero_run.launch.server.metrics import Metrics
-        from hetero_run.runtime.engine.serial import SerialEngine
+        from hetero_run.runtime.engine.service import BatchEngine
 
         self.log = get_logger(__name__)
         self.args, self.config, self.server, self.dist = args, config, server, dist
+        self.engine_config = engine_config
         self.peer_failure: PeerFailure | None = None
-        self.engine = SerialEngine(args.max_queue, describe_failure=self._describe)
+        self.engine = BatchEngine(args.max_queue, describe_failure=self._describe)
         self.metrics = Metrics(self.engine)
         self.app = create_app(self.engine, server, self.metrics)
         self.http = HttpServer(sock)
@@ -251,7 +302,7 @@ class Rank0:
         from hetero_run.launch.server.live import LiveLine
         from hetero_run.launch.server.prompts import Prompter
         from hetero_run.runtime.engine.api import EngineState
-        from hetero_run.runtime.engine.meter import RoundMeter
+        from hetero_run.runtime.engine.engine import LLMEngine
         from hetero_run.runtime.runner import TargetRunner
 
         self.http.start(self.app)
@@ -263,16 +314,18 @@ class Rank0:
             self.http.stop(timeout=2.0)
             raise
         with TargetRunner(loaded.model, loaded.ctx) as runner:
-            meter = RoundMeter(runner)
-            decoder = generate.make_decoder(self.config, meter, loaded.tokenizer, loaded.drafter, live=False)
             prompter = Prompter(loaded.tokenizer, loaded.stop_ids)
             self.app.state.prompter = prompter
-            self.engine.start(decoder, meter, prompter.decode, loaded.model.max_tokens)
+            self.engine.start(LLMEngine(runner, loaded.tokenizer, self.engine_config, loaded.drafter,
+                                        self.config.speculation))
             if self.dist.heartbeat is not None:
                 self.dist.heartbeat.on_peer_lost = self._peer_lost
-            self.log.info("serving '%s' at %s/v1: TP=%d, algorithm %s, context %d tokens, queue %d%s",
-                          self.server.model, self.http.url, self.dist.world_size, self.engine.algorithm,
-                          self.engine.max_context, self.args.max_queue,
+            kv = loaded.model.kv
+            self.log.info("serving '%s' at %s/v1: TP=%d, algorithm %s, context %d tokens, up to %d requests at once "
+                          "over %d KV blocks of %d tokens%s, queue %d%s", self.server.model, self.http.url,
+                          self.dist.world_size, self.engine.algorithm, self.engine.max_context,
+                          self.engine_config.max_num_seqs, kv.num_blocks, kv.block_size,
+                          ", prefix caching" if self.engine_config.enable_prefix_caching else "", self.args.max_queue,
                           ", API key required" if self.server.api_key else "")
             live = LiveLine(self.engine, self.metrics, self.server.model)
             live.start()

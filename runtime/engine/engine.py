@@ -73,11 +73,11 @@ class LLMEngine:
         n = request.prompt_tokens
         if n == 0:
             raise UserError("the prompt is empty", field="prompt")
-        if n + request.max_new_tokens > self.max_context:
+        if n + request.max_new_tokens - 1 > self.max_context:  # the last token is never forwarded
             raise UserError(f"the prompt's {n} tokens plus max_tokens {request.max_new_tokens} exceed the context of "
                             f"{self.max_context} tokens", field="max_tokens")
         total = self.blocks.num_blocks * self.blocks.block_size
-        if n + request.max_new_tokens > total:
+        if n + request.max_new_tokens - 1 > total:
             raise UserError(f"the prompt's {n} tokens plus max_tokens {request.max_new_tokens} exceed the KV cache "
                             f"of {total} tokens", field="max_tokens")
 
@@ -89,11 +89,11 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def cancel(self, request_id: str) -> None:
-        """The request ends ("abort") before the next step; its blocks are freed."""
+    def cancel(self, request_id: str, why: str | None = None) -> None:
+        """The request ends ("abort", with `why` as its error) before the next step; its blocks are freed."""
         seq = self.by_id.get(request_id)
         if seq is not None:
-            seq.cancelled = True
+            seq.cancelled, seq.cancel_reason = True, why
 
     def has_work(self) -> bool:
         return not self.scheduler.idle
@@ -114,7 +114,7 @@ class LLMEngine:
 
     def step(self) -> None:
         for seq in [s for s in self.by_id.values() if s.cancelled]:
-            self._finish(seq, "abort")
+            self._finish(seq, "abort", seq.cancel_reason)
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return

@@ -43,6 +43,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt positions the prefix cache supplied (first admission)
     admitted_once: bool = False
     cancelled: bool = False
+    cancel_reason: str | None = None
     finish_reason: str | None = None
     speculation: object = None  # the engine's per-sequence speculation state
     output: object = None  # the engine's per-sequence text output

@@ -21,9 +21,11 @@ def args_for(tmp_path, yaml_text: str, *flags: str):
 
 def test_trtllm_speculative_config_maps_onto_the_flags(tmp_path):
     args, drafter = args_for(tmp_path, "speculative_config:\n  decoding_type: DraftTarget\n  max_draft_len: 6\n"
-                             "  speculative_model: DRAFTER\nmax_seq_len: 2048\nport: 9001\nmax_queue: 3\n")
-    config, server = build_configs(args)
+                             "  speculative_model: DRAFTER\nmax_seq_len: 2048\nport: 9001\nmax_queue: 3\n"
+                             "max_batch_size: 5\nmax_num_tokens: 300\nkv_cache_config:\n  enable_block_reuse: false\n")
+    config, server, engine = build_configs(args)
     assert args.drafter == str(drafter) and args.port == 9001 and args.max_queue == 3
+    assert (engine.max_num_seqs, engine.max_num_batched_tokens, engine.enable_prefix_caching) == (5, 300, False)
     assert config.context == 2048 and config.speculation.max_draft_len == 6 and config.speculation.draft_len == 4
     assert config.algorithm == "auto" and server.model == "target"
 

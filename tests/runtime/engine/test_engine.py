@@ -166,6 +166,6 @@ def test_stop_tokens_and_impossible_requests(target):
     out = _serve(engine, [request])
     assert out.tokens("s") == plain[:plain.index(stop) + 1] and out.final("s").finish_reason == "stop"
     with pytest.raises(UserError, match="exceed the context of 256 tokens"):
-        engine.add(_request(9, ids, new=250), lambda e: None)
+        engine.add(_request(9, ids, new=256), lambda e: None)
     with pytest.raises(UserError, match="the prompt is empty"):
         engine.add(_request(8, [], new=2), lambda e: None)
