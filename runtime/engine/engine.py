@@ -53,7 +53,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        self.speculation = Speculation(tokenizer, drafter, speculation)
+        self.speculation = Speculation(tokenizer, runner.model.config.vocab_size, drafter, speculation)
         self.max_context = runner.max_tokens
         self.by_id: dict[str, Sequence] = {}
         self.steps = 0

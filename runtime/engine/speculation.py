@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hetero_run.runtime.eagle3 import is_eagle3
 from hetero_run.runtime.speculative.adaptive import DraftLength, _Line
 from hetero_run.runtime.speculative.config import SpeculationConfig
 from hetero_run.runtime.speculative.context import DraftContext
@@ -91,14 +92,14 @@ class _Candidate:
 
 
 class Speculation:
-    def __init__(self, tokenizer, drafter=None, config: SpeculationConfig | None = None):
-        self.drafter = drafter
+    def __init__(self, tokenizer, target_vocab: int, drafter=None, config: SpeculationConfig | None = None):
+        self.drafter, self.target_vocab = drafter, target_vocab
         self.config = config or SpeculationConfig(algorithm="auto" if drafter is not None else "none")
         self.pairing = Pairing(tokenizer, drafter.tokenizer if drafter is not None else None, self.config.window)
-        check_algorithm(self.config.algorithm, drafter is not None, self.pairing.same_vocab)
+        self.eagle3 = is_eagle3(drafter)
+        check_algorithm(self.config.algorithm, drafter is not None, self.pairing.same_vocab, self.eagle3)
         self.free_slots = [drafter.model] if drafter is not None and self.config.algorithm != "none" else []
         self.step_cost = _Line()  # seconds of a step over its rows
-        self.vocab = None
 
     @property
     def algorithm(self) -> str:
@@ -123,7 +124,11 @@ class Speculation:
         wanted: dict[int, int] = {}
         for i, item in enumerate(scheduled):
             seq = item.seq
-            if not item.decides or seq.pending != 1 or seq.speculation is None or seq.speculation.first:
+            if seq.speculation is None:
+                self.start(seq)
+            if self.eagle3 and seq.speculation.slot is not None:  # the head reads this sequence's target states
+                seq.speculation.slot.bind(i, lambda seq=seq: seq.computed)
+            if not item.decides or seq.pending != 1 or seq.speculation.first:
                 continue
             state = seq.speculation
             name = state.selector.current()
@@ -154,8 +159,11 @@ class Speculation:
 
     def _sizes(self, scheduled, rounds: dict[int, RoundRows], wanted: dict[int, int], budget: int) -> dict[int, int]:
         """Draft length per sequence: the most expected tokens per second for the step."""
-        if len(rounds) <= 1:  # one sequence: its own cost model already weighs drafts against the verify
-            return {i: min(k, budget) for i, k in wanted.items()}
+        if len(rounds) <= 1 or not self.config.adaptive:  # one sequence: its own cost model already weighs
+            out = {}                                           # drafts against the verify; fixed: as asked
+            for i, k in wanted.items():
+                out[i], budget = min(k, budget), budget - min(k, budget)
+            return out
         rows = sum(item.rows for item in scheduled)
         tokens = float(sum(1 for item in scheduled if item.decides))
         seconds = self.step_cost(rows, 0.0)
@@ -186,8 +194,9 @@ class Speculation:
 
     # -- after a step ----------------------------------------------------------------------------
 
-    def start(self, seq, vocab: int) -> None:
-        """Give `seq` its proposers and verifier (before its prompt's last row is verified)."""
+    def start(self, seq) -> None:
+        """Give `seq` its proposers, verifier and, when one is free, the drafter's slot (before
+        its first forward)."""
         config, pairing = self.config, self.pairing
         sampling = seq.request.sampling
         generator = None if sampling.greedy else sampling.generator()
@@ -198,11 +207,11 @@ class Speculation:
             context = DraftContext(slot, pairing.drafter_retokenizer,
                                    prompt.for_drafter(pairing.drafter_tokenizer, pairing.target_tokenizer),
                                    pairing.same_vocab)
-        session = DraftSession(pairing, context, seq.token_ids, vocab, sampling, generator)
+        session = DraftSession(pairing, context, seq.token_ids, self.target_vocab, sampling, generator)
         if context is None:
             names = ["none"]
         elif config.algorithm == "auto":
-            names = candidates(True, pairing.same_vocab, sampling.greedy)
+            names = candidates(True, pairing.same_vocab, sampling.greedy, self.eagle3)
         else:
             names = [config.algorithm]
         proposers = {n: make_proposer(n, session, config) for n in names}
@@ -215,8 +224,6 @@ class Speculation:
     def verify(self, seq, r: RoundRows | None, logits: torch.Tensor,
                verify_seconds: float) -> tuple[list[int], list[int]]:
         """logits [1 + drafts, vocab] of the sequence's rows -> (emitted target tokens, kept rows)."""
-        if seq.speculation is None:
-            self.start(seq, logits.shape[-1])
         state = seq.speculation
         if state.first:  # the prompt's last row decides the first token
             state.first = False
@@ -241,6 +248,8 @@ class Speculation:
         """The sequence is done or preempted: its drafter slot returns."""
         state = seq.speculation
         if state is not None and state.slot is not None:
+            if self.eagle3:
+                state.slot.bind(-1, lambda: 0)  # no sequence: nothing recorded until the next one binds
             self.free_slots.append(state.slot)
         seq.speculation = None
 

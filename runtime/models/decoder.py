@@ -70,7 +70,7 @@ class TargetModel:
         # `captured` [n, len(capture_layers) * hidden], on the ranks that called `capture`.
         self.capture_layers: tuple[int, ...] = ()
         self.captured: torch.Tensor | None = None
-        self.capture_sink = None  # sink(first logical position, captured) after each one-sequence forward
+        self.capture_sink = None  # sink(batch, captured) after each forward
 
     @property
     def length(self) -> int:
@@ -135,7 +135,7 @@ class TargetModel:
     def capture(self, layers: tuple[int, ...], sink=None) -> None:
         """Keep the hidden states entering `layers` (ascending; len(self.layers) is the last
         layer's output, before the final norm) in `captured` after each forward, and hand them to
-        `sink(first logical position, captured)` after forwards of one sequence when given. Only
+        `sink(batch, captured)` when given (row i of captured is row i of the ForwardBatch). Only
         the ranks that call this keep anything."""
         layers = tuple(layers)
         if list(layers) != sorted(set(layers)) or any(not 0 <= i <= len(self.layers) for i in layers):
@@ -162,8 +162,8 @@ class TargetModel:
             if len(self.layers) in self.capture_layers:
                 saved.append(h.clone())
             self.captured = torch.cat(saved, dim=-1)
-            if self.capture_sink is not None and int(batch.seq.max()) == 0:
-                self.capture_sink(int(batch.logical[0]), self.captured)
+            if self.capture_sink is not None:
+                self.capture_sink(batch, self.captured)
         else:
             for layer in self.layers:
                 h = layer(h, cos, sin, rows)

@@ -28,7 +28,8 @@ class ControlledRunner:
 
     def __init__(self, runner):
         self.runner = runner
-        self.num_blocks, self.block_size, self.max_tokens = runner.num_blocks, runner.block_size, runner.max_tokens
+        self.model, self.num_blocks, self.block_size = runner.model, runner.num_blocks, runner.block_size
+        self.max_tokens = runner.max_tokens
         self.gate, self.started = threading.Event(), threading.Event()
         self.gate.set()
         self.delay, self.steps, self.fail_at, self.error = 0.0, 0, None, None
