@@ -205,8 +205,8 @@ async def second_turn(args, url: str) -> dict:
             pairs.append({"turn1_ttft_s": round(one["ttft"], 4), "turn2_ttft_s": round(two["ttft"], 4),
                           "turn1_cached_tokens": one["cached"], "turn2_cached_tokens": two["cached"]})
     good = [p for p in pairs if "error" not in p]
-    t1 = statistics.median(p["turn1_ttft_s"] for p in good) if good else None
-    t2 = statistics.median(p["turn2_ttft_s"] for p in good) if good else None
+    t1 = round(statistics.median(p["turn1_ttft_s"] for p in good), 4) if good else None
+    t2 = round(statistics.median(p["turn2_ttft_s"] for p in good), 4) if good else None
     return {"conversations": pairs, "turn1_ttft_p50_s": t1, "turn2_ttft_p50_s": t2,
             "ratio": round(t2 / t1, 4) if good and t1 else None,
             "turn2_cached_tokens_p50": statistics.median(p["turn2_cached_tokens"] for p in good) if good else None}
@@ -440,6 +440,9 @@ def main(argv=None) -> int:
                   f"{args.max_tokens} tokens per request; logs in {args.log_dir}", flush=True)
             configs = run_launched(args, prompts)
         else:
+            if not args.json:
+                print(f"serve_load: {args.url}, clients {args.concurrency}, {args.duration:g} s or "
+                      f"{args.max_requests} requests per level, {args.max_tokens} tokens per request", flush=True)
             configs = {"server": measure(args, args.url, prompts)}
     except KeyboardInterrupt:
         print("\ninterrupted: every server this run started has been stopped", flush=True)
