@@ -73,7 +73,8 @@ async def one_request(client: httpx.AsyncClient, url: str, messages: list[dict],
     body = {"model": args.model, "messages": messages, "max_tokens": max_tokens, "temperature": args.temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    result = {"outcome": "lost", "ttft": None, "seconds": None, "tokens": 0, "cached": 0, "text": ""}
+    result = {"outcome": "lost", "ttft": None, "seconds": None, "tokens": 0, "prompt_tokens": 0, "cached": 0,
+              "text": ""}
     pieces = []
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
@@ -96,6 +97,7 @@ async def one_request(client: httpx.AsyncClient, url: str, messages: list[dict],
                 if chunk.get("usage"):
                     usage = True
                     result["tokens"] = chunk["usage"]["completion_tokens"]
+                    result["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
                     result["cached"] = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 for choice in chunk.get("choices", []):
                     text = choice.get("delta", {}).get("content")
@@ -203,11 +205,14 @@ async def second_turn(args, url: str) -> dict:
                 pairs.append({"error": two.get("error", "turn 2 gave no text")})
                 continue
             pairs.append({"turn1_ttft_s": round(one["ttft"], 4), "turn2_ttft_s": round(two["ttft"], 4),
-                          "turn1_cached_tokens": one["cached"], "turn2_cached_tokens": two["cached"]})
+                          "turn1_prompt_tokens": one["prompt_tokens"], "turn1_output_tokens": one["tokens"],
+                          "turn2_prompt_tokens": two["prompt_tokens"], "turn1_cached_tokens": one["cached"],
+                          "turn2_cached_tokens": two["cached"]})
     good = [p for p in pairs if "error" not in p]
     t1 = round(statistics.median(p["turn1_ttft_s"] for p in good), 4) if good else None
     t2 = round(statistics.median(p["turn2_ttft_s"] for p in good), 4) if good else None
     return {"conversations": pairs, "turn1_ttft_p50_s": t1, "turn2_ttft_p50_s": t2,
+            "turn2_prompt_tokens_p50": statistics.median(p["turn2_prompt_tokens"] for p in good) if good else None,
             "ratio": round(t2 / t1, 4) if good and t1 else None,
             "turn2_cached_tokens_p50": statistics.median(p["turn2_cached_tokens"] for p in good) if good else None}
 
@@ -273,7 +278,8 @@ def measure(args, url: str, prompts: list[str]) -> dict:
         print(json.dumps({"second_turn": turns}), flush=True)
     elif turns:
         print(f"  second turn: TTFT p50 {turns['turn1_ttft_p50_s']} s -> {turns['turn2_ttft_p50_s']} s "
-              f"(x{turns['ratio']}), {turns['turn2_cached_tokens_p50']} prompt tokens cached", flush=True)
+              f"(x{turns['ratio']}); turn 2: {turns['turn2_cached_tokens_p50']} of its "
+              f"{turns['turn2_prompt_tokens_p50']} prompt tokens cached", flush=True)
     return {"levels": levels, "second_turn": turns}
 
 
