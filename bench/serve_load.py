@@ -1,15 +1,34 @@
-"""Load a running `hetero-run serve`: N concurrent streaming clients for a bounded time.
+"""Load `hetero-run serve` with N concurrent streaming clients, per concurrency level, bounded in
+time and requests; against a running server, or launching the servers itself.
 
-    python bench/serve_load.py --url http://127.0.0.1:8000 --concurrency 4 --duration 60
-    python bench/serve_load.py --url ... --concurrency 1,4,8 --duration 60 --max-tokens 64 --json
+    python bench/serve_load.py --url http://127.0.0.1:8000 --concurrency 1,4,8 --duration 60
+    python bench/serve_load.py --launch TARGET --drafter DRAFTER [--tp 2] --duration 60 \\
+        --max-tokens 64 --json-out serve_load.json --png serve_load.png
 
-Each client sends chat requests one after another (prompts from bench/prompts/speculative.jsonl,
-round robin) until the duration is up; a request started before the end runs to completion. It
-prints, per concurrency: completed and failed requests, TTFT p50 / p99 (arrival to the first
-text), end-to-end p50, aggregate output tok/s (completion tokens of completed requests / wall
-time), and the loss check: every request sent got either a complete answer (finish_reason and
-usage, then [DONE]) or a clear error (an HTTP status with an OpenAI error body, or an error
-event); a request that got neither is counted as lost and makes the exit status 1.
+`--launch` starts one server per configuration (TP=1 as one process, `--tp 2` under
+`mpirun -np 2`), each on a free loopback port, waits for /health 200, loads it, reads every
+rank's peak memory, then sends SIGTERM to rank 0 and waits until every process has exited
+(whatever happened). Configurations: `off` (the target alone, `--algorithm none`) and
+`adaptive` (`--drafter D --algorithm auto`), fed the same prompts in the same order.
+
+Per level each client sends chat requests one after another (bench/prompts/speculative.jsonl,
+round robin) until --duration has passed or --max-requests were sent; a request started
+before the end runs to completion (at most --request-timeout). Figures: completed / failed /
+lost (a lost request got neither a complete answer nor a clear error: exit status 1),
+aggregate tok/s (completion tokens of completed requests / wall time), per-request tok/s p50
+((tokens - 1) / (end - first token), vLLM's 1 / TPOT), TTFT p50 / p99 (request sent to first
+text), end-to-end p50, and the server's /metrics speculation counters over the level
+(acceptance: accepted / draft tokens; acceptance length: 1 + accepted / drafts).
+
+Then the second-turn test (--turns N conversations, one at a time): turn 1 asks about a long
+document; turn 2 repeats turn 1's prompt and answer and asks again, so the prefix cache holds
+all but the new question: TTFT of turn 2 / turn 1 and `usage.prompt_tokens_details.cached_tokens`.
+With --launch, peak memory: VmHWM of every rank's process against the per-rank total of
+`hetero-run plan --json` for the same target, drafter, context, batch (--max-num-seqs) and TP
+(minus what the plan reserves for the operating system).
+
+The summary names the ratios the serving aims use: aggregate at 8 clients over 1, adaptive
+over off at each level, turn-2 TTFT over turn-1, peak memory over the plan.
 """
 
 from __future__ import annotations
@@ -17,14 +36,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import httpx
+from serve_servers import OFF, Launched, planned_bytes, server_argv
 
 PROMPTS = Path(__file__).parent / "prompts" / "speculative.jsonl"
+SPEC_COUNTERS = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+                 "spec_decode_num_accepted_tokens_total", "generation_tokens_total", "prompt_tokens_total")
 
 
 def load_prompts(path: Path) -> list[str]:
@@ -36,11 +60,22 @@ def load_prompts(path: Path) -> list[str]:
     return [p for p in out if p]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, prompt: str, args) -> dict:
-    body = {"model": args.model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
-            "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True}}
+def pct(xs: list[float], q: float) -> float | None:
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else None
+
+
+# -- one request ----------------------------------------------------------------------------------
+
+
+async def one_request(client: httpx.AsyncClient, url: str, messages: list[dict], args, max_tokens: int) -> dict:
+    """One streamed chat request -> outcome ("completed", "error", "lost"), timings, usage, text."""
+    body = {"model": args.model, "messages": messages, "max_tokens": max_tokens, "temperature": args.temperature,
+            "stream": True, "stream_options": {"include_usage": True}}
     start = time.perf_counter()
-    result = {"outcome": "lost", "ttft": None, "seconds": None, "tokens": 0}
+    result = {"outcome": "lost", "ttft": None, "seconds": None, "tokens": 0, "prompt_tokens": 0, "cached": 0,
+              "text": ""}
+    pieces = []
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
@@ -62,83 +97,380 @@ async def one_request(client: httpx.AsyncClient, url: str, prompt: str, args) ->
                 if chunk.get("usage"):
                     usage = True
                     result["tokens"] = chunk["usage"]["completion_tokens"]
+                    result["prompt_tokens"] = chunk["usage"]["prompt_tokens"]
+                    result["cached"] = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)
                 for choice in chunk.get("choices", []):
-                    if choice.get("delta", {}).get("content") and result["ttft"] is None:
-                        result["ttft"] = time.perf_counter() - start
+                    text = choice.get("delta", {}).get("content")
+                    if text:
+                        pieces.append(text)
+                        if result["ttft"] is None:
+                            result["ttft"] = time.perf_counter() - start
                     finished = finished or choice.get("finish_reason") is not None
             if finished and usage and done:
-                result.update(outcome="completed", seconds=time.perf_counter() - start)
+                result.update(outcome="completed", seconds=time.perf_counter() - start, text="".join(pieces))
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.update(outcome="error" if isinstance(exc, httpx.HTTPStatusError) else "lost", error=repr(exc))
     return result
 
 
-async def run_level(args, concurrency: int, prompts: list[str]) -> dict:
+def _client(args, connections: int) -> httpx.AsyncClient:
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=concurrency + 2)
-    timeout = httpx.Timeout(args.request_timeout)
+    return httpx.AsyncClient(headers=headers, limits=httpx.Limits(max_connections=connections + 2),
+                             timeout=httpx.Timeout(args.request_timeout))
+
+
+# -- a concurrency level ----------------------------------------------------------------------------
+
+
+async def run_level(args, url: str, concurrency: int, prompts: list[str]) -> dict:
     results: list[dict] = []
     end = time.perf_counter() + args.duration
-    counter = iter(range(10**9))
-
-    async with httpx.AsyncClient(headers=headers, limits=limits, timeout=timeout) as client:
+    async with _client(args, concurrency) as client:
         async def worker():
             while time.perf_counter() < end and len(results) < args.max_requests:
-                i = next(counter)
-                results.append(await one_request(client, args.url, prompts[i % len(prompts)], args))
+                i = len(results)
+                results.append({})  # takes its place in --max-requests before it is sent
+                messages = [{"role": "user", "content": prompts[i % len(prompts)]}]
+                results[i] = await one_request(client, url, messages, args, args.max_tokens)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - start
     done = [r for r in results if r["outcome"] == "completed"]
-    ttft = sorted(r["ttft"] for r in done if r["ttft"] is not None)
-    e2e = sorted(r["seconds"] for r in done)
-
-    def pct(xs, q):
-        return round(xs[min(len(xs) - 1, int(q * len(xs)))], 4) if xs else None
-
+    per_request = [(r["tokens"] - 1) / (r["seconds"] - r["ttft"]) for r in done
+                   if r["tokens"] > 1 and r["ttft"] is not None and r["seconds"] > r["ttft"]]
+    tokens = sum(r["tokens"] for r in done)
     return {"concurrency": concurrency, "sent": len(results), "completed": len(done),
             "failed": sum(r["outcome"] == "error" for r in results),
             "lost": sum(r["outcome"] == "lost" for r in results),
-            "ttft_p50_s": pct(ttft, 0.5), "ttft_p99_s": pct(ttft, 0.99), "e2e_p50_s": pct(e2e, 0.5),
-            "output_tokens": sum(r["tokens"] for r in done), "wall_s": round(wall, 2),
-            "tokens_per_second": round(sum(r["tokens"] for r in done) / wall, 2) if wall > 0 else 0.0,
+            "ttft_p50_s": pct([r["ttft"] for r in done if r["ttft"] is not None], 0.5),
+            "ttft_p99_s": pct([r["ttft"] for r in done if r["ttft"] is not None], 0.99),
+            "e2e_p50_s": pct([r["seconds"] for r in done], 0.5),
+            "per_request_tok_s_p50": pct(per_request, 0.5),
+            "output_tokens": tokens, "wall_s": round(wall, 2),
+            "tokens_per_second": round(tokens / wall, 2) if wall > 0 else 0.0,
             "mean_tokens_per_request": round(statistics.mean(r["tokens"] for r in done), 1) if done else 0,
             "errors": sorted({r.get("error", "") for r in results if r["outcome"] != "completed"})[:5]}
 
 
-def main() -> int:
+def scrape(url: str) -> dict[str, float]:
+    """The /metrics counters this bench reads (0 where absent)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name.removeprefix("hetero_run:")] = float(value)
+    return {name: values.get(name, 0.0) for name in SPEC_COUNTERS}
+
+
+def speculation(before: dict, after: dict) -> dict:
+    d = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+    drafts, drafted, accepted = (d["spec_decode_num_drafts_total"], d["spec_decode_num_draft_tokens_total"],
+                                 d["spec_decode_num_accepted_tokens_total"])
+    return {"drafts": int(drafts), "draft_tokens": int(drafted), "accepted_tokens": int(accepted),
+            "acceptance": round(accepted / drafted, 4) if drafted else None,
+            "acceptance_length": round(1 + accepted / drafts, 3) if drafts else None}
+
+
+# -- the second chat turn ---------------------------------------------------------------------------
+
+
+def document(conversation: int, tokens: int) -> str:
+    """A deterministic Python module of about `tokens` tokens; the first line differs per conversation."""
+    lines = [f"# module {conversation}: helpers for a small inventory service"]
+    i = 0
+    while sum(len(x) for x in lines) < tokens * 3:
+        lines += [f"def price_{i}(quantity, unit={i + 1}.5):", f'    """Total for {i} items at the unit price."""',
+                  f"    return round(quantity * unit * {1 + i % 7}, 2)", ""]
+        i += 1
+    return "\n".join(lines)
+
+
+async def second_turn(args, url: str) -> dict:
+    """--turns conversations, one at a time: TTFT of turn 2 (turn 1 and its answer repeated) / turn 1."""
+    pairs = []
+    async with _client(args, 1) as client:
+        for n in range(args.turns):
+            first = [{"role": "user", "content": document(n, args.turn_prompt_tokens) +
+                      "\n\nWhat does this module do? Answer briefly."}]
+            one = await one_request(client, url, first, args, args.max_tokens)
+            if one["outcome"] != "completed" or one["ttft"] is None:
+                pairs.append({"error": one.get("error", "turn 1 gave no text")})
+                continue
+            second = first + [{"role": "assistant", "content": one["text"]},
+                              {"role": "user", "content": "Name its first function only."}]
+            two = await one_request(client, url, second, args, 8)
+            if two["outcome"] != "completed" or two["ttft"] is None:
+                pairs.append({"error": two.get("error", "turn 2 gave no text")})
+                continue
+            pairs.append({"turn1_ttft_s": round(one["ttft"], 4), "turn2_ttft_s": round(two["ttft"], 4),
+                          "turn1_prompt_tokens": one["prompt_tokens"], "turn1_output_tokens": one["tokens"],
+                          "turn2_prompt_tokens": two["prompt_tokens"], "turn1_cached_tokens": one["cached"],
+                          "turn2_cached_tokens": two["cached"]})
+    good = [p for p in pairs if "error" not in p]
+    t1 = round(statistics.median(p["turn1_ttft_s"] for p in good), 4) if good else None
+    t2 = round(statistics.median(p["turn2_ttft_s"] for p in good), 4) if good else None
+    return {"conversations": pairs, "turn1_ttft_p50_s": t1, "turn2_ttft_p50_s": t2,
+            "turn2_prompt_tokens_p50": statistics.median(p["turn2_prompt_tokens"] for p in good) if good else None,
+            "ratio": round(t2 / t1, 4) if good and t1 else None,
+            "turn2_cached_tokens_p50": statistics.median(p["turn2_cached_tokens"] for p in good) if good else None}
+
+
+def run_launched(args, prompts: list[str]) -> dict:
+    out = {}
+    for name in args.configs:
+        argv = server_argv(args, name)
+        print(f"\n== {name}: {' '.join(argv)}", flush=True)
+        plan = planned_bytes(args, name)
+        server = Launched(name, argv, args.log_dir / name, args.tp)
+        result = {"argv": argv, "tp": args.tp, "log_dir": str(server.log_dir)}
+        try:
+            server.start(args.startup_timeout)
+            print(f"  ready at {server.url} after {server.load_s} s (rank pids {server.pids})", flush=True)
+            result.update(load_s=server.load_s, **measure(args, server.url, prompts))
+            peak = server.peak_memory()
+            result["memory"] = [{"rank": rank, "pid": server.pids[rank], "peak_bytes": peak[rank],
+                                 "plan_bytes": (plan or {}).get(rank),
+                                 "ratio": round(peak[rank] / plan[rank], 3) if plan and peak[rank] else None}
+                                for rank in peak]
+            for m in result["memory"]:
+                print(f"  rank {m['rank']}: peak memory {_gib(m['peak_bytes'])}, planned {_gib(m['plan_bytes'])}",
+                      flush=True)
+        except RuntimeError as exc:
+            result["error"] = str(exc)
+            print(f"  {exc}", flush=True)
+        finally:
+            server.stop(args.drain_timeout + 60)
+            result["exit_code"] = server.exit_code
+            print(f"  stopped (exit status {server.exit_code})", flush=True)
+        out[name] = result
+    return out
+
+
+def _gib(n) -> str:
+    return "?" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+# -- one server's measurements ------------------------------------------------------------------------
+
+
+def measure(args, url: str, prompts: list[str]) -> dict:
+    if args.model is None:
+        headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        args.model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    for i in range(args.warmup):  # first calls compile and fault in the weights
+        asyncio.run(_warm(args, url, prompts[i % len(prompts)]))
+    levels = []
+    for level in args.levels:
+        before = scrape(url)
+        report = asyncio.run(run_level(args, url, level, prompts))
+        report["speculation"] = speculation(before, scrape(url))
+        levels.append(report)
+        if args.json:
+            print(json.dumps(report), flush=True)
+            continue
+        print("  " + level_line(report), flush=True)
+        for error in report["errors"]:
+            print(f"      {error}", flush=True)
+    turns = asyncio.run(second_turn(args, url)) if args.turns else None
+    if turns and args.json:
+        print(json.dumps({"second_turn": turns}), flush=True)
+    elif turns:
+        print(f"  second turn: TTFT p50 {turns['turn1_ttft_p50_s']} s -> {turns['turn2_ttft_p50_s']} s "
+              f"(x{turns['ratio']}); turn 2: {turns['turn2_cached_tokens_p50']} of its "
+              f"{turns['turn2_prompt_tokens_p50']} prompt tokens cached", flush=True)
+    return {"levels": levels, "second_turn": turns}
+
+
+async def _warm(args, url: str, prompt: str) -> None:
+    async with _client(args, 1) as client:
+        await one_request(client, url, [{"role": "user", "content": prompt}], args, min(8, args.max_tokens))
+
+
+def level_line(r: dict) -> str:
+    spec = r.get("speculation") or {}
+    accept = f"; acceptance {spec['acceptance']:.2f}" if spec.get("acceptance") is not None else ""
+    return (f"concurrency {r['concurrency']}: {r['completed']}/{r['sent']} completed, {r['failed']} failed, "
+            f"{r['lost']} lost; {r['tokens_per_second']} tok/s aggregate ({r['output_tokens']} tokens in "
+            f"{r['wall_s']} s), {r['per_request_tok_s_p50']} tok/s per request p50; TTFT p50 {r['ttft_p50_s']} s, "
+            f"p99 {r['ttft_p99_s']} s; e2e p50 {r['e2e_p50_s']} s{accept}")
+
+
+# -- the summary --------------------------------------------------------------------------------------
+
+
+def aims(configs: dict) -> list[dict]:
+    """The serving aims, each with its figure and whether it was met."""
+    out = []
+
+    def aggregate(name, level):
+        row = next((r for r in configs.get(name, {}).get("levels", []) if r["concurrency"] == level), None)
+        return row["tokens_per_second"] if row else None
+
+    def add(what, value, bound, met):
+        out.append({"aim": what, "value": value, "bound": bound, "met": None if value is None else met(value)})
+
+    for name in configs:
+        one, eight = aggregate(name, 1), aggregate(name, 8)
+        add(f"{name}: aggregate at 8 / at 1", round(eight / one, 3) if one and eight is not None else None, ">= 4",
+            lambda v: v >= 4)
+    if "off" in configs and "adaptive" in configs:
+        for row in configs["off"].get("levels", []):
+            level = row["concurrency"]
+            off, adaptive = aggregate("off", level), aggregate("adaptive", level)
+            bound = 1.3 if level == 1 else 1.0
+            add(f"adaptive / off aggregate at {level}", round(adaptive / off, 3) if off and adaptive is not None
+                else None, f">= {bound}", lambda v, b=bound: v >= b)
+    for name, result in configs.items():
+        turns = result.get("second_turn") or {}
+        if turns:
+            add(f"{name}: turn-2 TTFT / turn-1", turns.get("ratio"), "<= 0.3", lambda v: v <= 0.3)
+        for m in result.get("memory", []):
+            add(f"{name}: rank {m['rank']} peak memory / plan", m["ratio"], "<= 1", lambda v: v <= 1.0)
+    return out
+
+
+def print_summary(configs: dict, goals: list[dict]) -> None:
+    print("\n| config | clients | completed / sent | failed, lost | aggregate tok/s | per request tok/s p50 | "
+          "TTFT p50 / p99 s | e2e p50 s | acceptance |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, result in configs.items():
+        for r in result.get("levels", []):
+            spec = r.get("speculation") or {}
+            accept = "-" if spec.get("acceptance") is None else \
+                f"{spec['acceptance']:.2f} ({spec['accepted_tokens']}/{spec['draft_tokens']})"
+            print(f"| {name} | {r['concurrency']} | {r['completed']} / {r['sent']} | {r['failed']}, {r['lost']} | "
+                  f"{r['tokens_per_second']} | {r['per_request_tok_s_p50']} | {r['ttft_p50_s']} / {r['ttft_p99_s']} | "
+                  f"{r['e2e_p50_s']} | {accept} |")
+    if goals:
+        print("\n| aim | figure | bound | met |\n|---|---|---|---|")
+        for g in goals:
+            met = "n/a" if g["met"] is None else "yes" if g["met"] else "NO"
+            print(f"| {g['aim']} | {g['value']} | {g['bound']} | {met} |")
+
+
+def chart(configs: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    levels = set()
+    for name, result in configs.items():
+        rows = [r for r in result.get("levels", []) if r["completed"]]
+        x = [r["concurrency"] for r in rows]
+        levels.update(x)
+        left.plot(x, [r["tokens_per_second"] for r in rows], marker="o", label=name)
+        right.plot(x, [r["ttft_p50_s"] for r in rows], marker="o", label=name)
+    for ax, what, unit in ((left, "aggregate output", "tok/s"), (right, "time to first token, p50", "s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(levels), [str(x) for x in sorted(levels)])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(unit)
+        ax.set_title(what)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -- main ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--url", help="a running server (default http://127.0.0.1:8000 without --launch)")
+    target.add_argument("--launch", metavar="TARGET", help="start the servers for the target (DIR or FILE.gguf)")
+    parser.add_argument("--drafter", help="with --launch: the drafter of the adaptive configuration")
+    parser.add_argument("--configs", default=None, help="with --launch: off (--algorithm none), adaptive (auto with "
+                        "--drafter) or an algorithm name (with --drafter); default off,adaptive (without --drafter: "
+                        "off)")
+    parser.add_argument("--tp", type=int, default=1, help="with --launch: tensor-parallel size (2: mpirun -np 2)")
+    parser.add_argument("--context", type=int, default=2048, help="with --launch: --context of the servers")
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="with --launch: requests batched together "
+                        "(default: the highest concurrency)")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="FLAGS",
+                        help="with --launch: more serve flags, e.g. --serve-arg='--block-size 32' (repeatable)")
+    parser.add_argument("--log-dir", type=Path, default=None, help="with --launch: server logs (default: a new "
+                        "temporary folder)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server may take to load")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="the servers' --drain-timeout")
     parser.add_argument("--model", default=None, help="the served model name (default: the first of /v1/models)")
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--concurrency", default="1,4,8", help="comma-separated levels (default 1,4,8)")
+    parser.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated levels (default 1,2,4,8,16)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per level in which requests start")
     parser.add_argument("--max-requests", type=int, default=1000, help="per level, at most")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--request-timeout", type=float, default=300.0)
+    parser.add_argument("--warmup", type=int, default=2, help="unmeasured requests before the first level")
+    parser.add_argument("--turns", type=int, default=3, help="second-turn conversations (0: none)")
+    parser.add_argument("--turn-prompt-tokens", type=int, default=512, help="about this long a first turn")
     parser.add_argument("--prompts", type=Path, default=PROMPTS)
-    parser.add_argument("--json", action="store_true", help="one JSON object per level")
-    args = parser.parse_args()
-    if args.model is None:
-        headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        args.model = httpx.get(args.url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    parser.add_argument("--json", action="store_true", help="print one JSON object per level instead of lines")
+    parser.add_argument("--json-out", type=Path, help="write every figure to this JSON file")
+    parser.add_argument("--png", type=Path, help="write the chart (aggregate tok/s and TTFT p50 vs clients)")
+    args = parser.parse_args(argv)
+    args.levels = [int(x) for x in args.concurrency.split(",")]
+    if args.launch:
+        names = (args.configs or ("off,adaptive" if args.drafter else "off")).split(",")
+        if any(n != OFF for n in names) and not args.drafter:
+            parser.error("every configuration but off needs --drafter")
+        args.configs = names
+        args.max_num_seqs = args.max_num_seqs or max(args.levels)
+        args.log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="serve-load-"))
+    elif args.drafter or args.configs:
+        parser.error("--drafter and --configs go with --launch")
+    args.url = args.url or "http://127.0.0.1:8000"
+    return args
+
+
+def _interrupt(_signum, _frame):
+    raise KeyboardInterrupt  # the servers are stopped on the way out
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     prompts = load_prompts(args.prompts)
-    lost = 0
-    for level in [int(x) for x in args.concurrency.split(",")]:
-        report = asyncio.run(run_level(args, level, prompts))
-        lost += report["lost"]
-        if args.json:
-            print(json.dumps(report), flush=True)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if args.launch:
+            print(f"serve_load: {args.launch} at TP={args.tp}, configurations {', '.join(args.configs)}, clients "
+                  f"{args.concurrency}, {args.duration:g} s or {args.max_requests} requests per level, "
+                  f"{args.max_tokens} tokens per request; logs in {args.log_dir}", flush=True)
+            configs = run_launched(args, prompts)
         else:
-            print(f"concurrency {level}: {report['completed']}/{report['sent']} completed, {report['failed']} failed, "
-                  f"{report['lost']} lost; TTFT p50 {report['ttft_p50_s']} s, p99 {report['ttft_p99_s']} s; e2e p50 "
-                  f"{report['e2e_p50_s']} s; {report['tokens_per_second']} tok/s aggregate "
-                  f"({report['output_tokens']} tokens in {report['wall_s']} s)", flush=True)
-            for error in report["errors"]:
-                print(f"    {error}")
-    return 1 if lost else 0
+            if not args.json:
+                print(f"serve_load: {args.url}, clients {args.concurrency}, {args.duration:g} s or "
+                      f"{args.max_requests} requests per level, {args.max_tokens} tokens per request", flush=True)
+            configs = {"server": measure(args, args.url, prompts)}
+    except KeyboardInterrupt:
+        print("\ninterrupted: every server this run started has been stopped", flush=True)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    goals = aims(configs)
+    if not args.json:
+        print_summary(configs, goals)
+    if args.json_out:
+        settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        args.json_out.write_text(json.dumps({"settings": settings, "configs": configs, "aims": goals}, indent=1))
+        print(f"\nwrote {args.json_out}")
+    if args.png:
+        where = f"{Path(args.launch).name}, TP={args.tp}" if args.launch else args.url
+        chart(configs, args.png, f"hetero-run serve under load: {where}, {args.max_tokens} tokens per request")
+        print(f"wrote {args.png}")
+    lost = sum(r["lost"] for c in configs.values() for r in c.get("levels", []))
+    broken = [n for n, c in configs.items() if c.get("error") or c.get("exit_code") not in (None, 0)]
+    if lost or broken:
+        print(f"\n{lost} requests lost; configurations that failed or exited badly: {', '.join(broken) or 'none'}")
+    return 1 if lost or broken else 0
 
 
 if __name__ == "__main__":
