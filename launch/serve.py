@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "decoding_type, max_draft_len, speculative_model) or any of these flags by name; flags given "
                        "on the command line win")
     group.add_argument("--max-queue", type=int, default=64, metavar="N",
-                       help="requests that may wait behind the running one; more get 429 (default 64)")
+                       help="requests that may wait while --max-num-seqs others run; more get 429 (default 64)")
     group.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                        help="largest request body; larger gets 413 (default 1 MiB)")
     group.add_argument("--allowed-origins", metavar="ORIGINS",
