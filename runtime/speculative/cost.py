@@ -225,6 +225,8 @@ class CostModel:
             log.debug("auto: re-measuring the drafter (%s expected %.1f tok/s, best %s %.1f tok/s)",
                       best_model.label("drafter"), best_model.rate, best.label("drafter"), best.rate)
             best = best_model
+        if best.k:
+            self.last_model_round = self.rounds
         return best
 
     def summary(self) -> str:

@@ -33,7 +33,7 @@ import torch
 
 from hetero_run.runtime.models.kv_cache import KVCacheFull
 from hetero_run.runtime.speculative.context import DraftContext
-from hetero_run.runtime.speculative.cost import reach_order
+from hetero_run.runtime.speculative.cost import Choice, reach_order
 from hetero_run.runtime.speculative.factory import make_proposer, model_algorithm
 from hetero_run.runtime.speculative.modelfree import ModelFree
 from hetero_run.runtime.speculative.proposer import DraftSession, NoProposer
@@ -174,7 +174,11 @@ class SpeculativeSequence:
         if policy == "modelfree" and not figures:
             return self._label(self._empty(), "none")
         pending = self.session.context.pending_tokens if self.session.context is not None else 0
-        choice = self.cost.choose(figures, use_model, self.trees, pending, k_range, policy != "modelfree", room)
+        if self.config.adaptive or policy == "auto":
+            choice = self.cost.choose(figures, use_model, self.trees, pending, k_range, policy != "modelfree", room)
+        else:  # fixed sizes: the drafter's k and every model-free candidate that fits
+            k = k_range[0] if k_range else 0
+            choice = Choice(k, len(figures), 0.0, 1.0, 0)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("round %d: %d model-free nodes, %s -> %s (%.2f tokens expected, %.1f tok/s)",
                       len(self.labels) + 1, len(order), self.cost.summary(),

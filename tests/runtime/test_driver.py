@@ -38,12 +38,14 @@ def drafter_model(name: str):
     return support.trained_model(tokenizer, "llama", seed=1), tokenizer
 
 
-def engine(algorithm: str, drafter: str | None, **config) -> SpeculativeEngine:
+def engine(algorithm: str, drafter: str | None, trees: bool = False, **config) -> SpeculativeEngine:
     draft = None
     if drafter is not None:
         model, tokenizer = drafter_model(drafter)
         draft = Drafter(HFDraftModel(model), tokenizer, drafter)
     runner = TargetRunner(load_model(target_model(), max_tokens=512, dtype=torch.float32))
+    if trees:
+        runner = support.TreeRunner(runner)
     return SpeculativeEngine(runner, support.byte_level(), draft, SpeculationConfig(algorithm=algorithm, **config))
 
 
@@ -66,6 +68,29 @@ def test_greedy_output_is_the_target_alones(algorithm, drafter):
         accepted += result.accepted
     if algorithm not in ("none", "auto"):
         assert accepted > 0, "drafts must be accepted for the comparison to mean something"
+
+
+MODEL_FREE_CASES = [("ngram", None, False, {}), ("suffix", None, False, {}), ("suffix", None, True, {}),
+                    ("auto", None, True, {}), ("slem", "sentencepiece", True, {"hybrid": True}),
+                    ("tli", "sentencepiece", False, {"hybrid": True}), ("auto", "sentencepiece", True, {}),
+                    ("standard", "same", True, {"hybrid": True})]
+
+
+@pytest.mark.parametrize("algorithm, drafter, trees, options", MODEL_FREE_CASES)
+def test_model_free_and_hybrid_rounds_are_the_target_alones(algorithm, drafter, trees, options):
+    eng = engine(algorithm, drafter, trees, **options)
+    accepted, labels = 0, set()
+    for prompt in PROMPTS + [PROMPTS[0]]:  # the repeat finds the first generation in the suffix cache
+        result = eng.generate(prompt, max_new_tokens=40, stop_ids=set())
+        assert result.token_ids == reference(prompt), (algorithm, drafter, trees, prompt)
+        accepted += result.accepted
+        labels |= set(result.algorithms)
+    assert accepted > 0, labels
+    assert eng.trees == trees
+    if trees and options.get("hybrid"):
+        assert eng.target.tree_forwards > 0, "the rounds must have verified trees"
+    if options.get("hybrid"):
+        assert any("+" in label for label in labels), labels
 
 
 @pytest.mark.parametrize("draft_len", [1, 7])
