@@ -186,8 +186,8 @@ class TargetOnly:
 
 
 def make_decoder(config: GenerateConfig, runner, tokenizer=None, drafter=None) -> Decoder:
-    """The target alone, or the speculative engine when there is a drafter."""
-    if drafter is None:
+    """The target alone, or the speculative engine when there is a drafter or a model-free proposer."""
+    if drafter is None and config.algorithm == "none":
         return TargetOnly(runner, config.sampling)
     return speculate.SpeculativeDecoder(runner, tokenizer, drafter, config.speculation, config.sampling,
                                         live=not config.json)

@@ -49,11 +49,13 @@ class VerifyCost:
         self.line = _Line()
         self.fallback = fallback  # tree forwards start from the chain figures
         self._table: dict[int, float] = {}
+        self._known: list[int] = []
 
     def record(self, rows: int, seconds: float) -> None:
         self.by_rows.setdefault(rows, _Mean()).add(seconds)
         self.line.add(rows, seconds)
         self._table.clear()
+        self._known = sorted(self.by_rows)
 
     @property
     def measured(self) -> bool:
@@ -70,7 +72,7 @@ class VerifyCost:
             if self.fallback is not None and self.fallback.measured:
                 return self.fallback(rows)
             return PRIOR_STEP_S * (1 + PRIOR_ROW_SHARE * (rows - 1))
-        known = sorted(self.by_rows)
+        known = self._known
         if rows in self.by_rows:
             return self.by_rows[rows].value
         below = [n for n in known if n < rows]
@@ -173,36 +175,37 @@ class CostModel:
                k_range: tuple[int, int] | None = None, allow_none: bool = True, max_rows: int = 32) -> Choice:
         """modelfree: (depth, reach) of the model-free nodes in the order they would be added
         (most likely first, parents before children); model: the drafter may run, with k in
-        k_range (default min_draft_len..max_draft_len)."""
+        k_range (default min_draft_len..max_draft_len, or not at all)."""
         self.rounds += 1
         verify = self.tree_verify if tree else self.verify
-        lo, hi = k_range or (self.config.min_draft_len, self.config.max_draft_len)
-        if not model:
-            ks = [0]
-        elif k_range is not None:  # a fixed drafter algorithm: the drafter runs every round
-            ks = list(range(lo, hi + 1))
-        else:
-            ks = [0] + list(range(lo, hi + 1))
+        v = verify  # seconds by rows, estimated once per measurement
         a = min(self.acceptance.prob(MODEL, 0), 0.995)
         per_unit = self.rows_per_unit.value
-        best: Choice | None = None
-        best_model: Choice | None = None
+        best_model = None  # (rate, k, rows, expected, seconds): the drafter's chain alone
+        if model:
+            lo, hi = k_range or (self.config.min_draft_len, self.config.max_draft_len)
+            for k in range(lo, hi + 1):
+                rows = min(max(1, round(per_unit * k)), max_rows - 1)
+                expected = 1.0 + a * (1 - a ** rows) / (1 - a)
+                seconds = self.draft_seconds(k, pending) + v(1 + rows)
+                if best_model is None or expected / seconds > best_model[0]:
+                    best_model = (expected / seconds, k, rows, expected, seconds)
+        ks = ([] if k_range is not None and best_model else [0]) + ([best_model[1]] if best_model else [])
+        best = None
         for k in ks:
-            model_rows = 0 if k == 0 else max(1, round(per_unit * k))
-            model_rows = min(model_rows, max_rows - 1)
-            depth_a = [a ** d for d in range(1, model_rows + 1)]
-            expected = 1.0 + sum(depth_a)
-            base = self.draft_seconds(k, pending)
+            model_rows = 0 if k == 0 else best_model[2]
+            expected = 1.0 if k == 0 else best_model[3]
+            base = 0.0 if k == 0 else best_model[4] - v(1 + model_rows)
             b = [0.0] * (max_rows + 1)
             longest = 0
             for m in range(0, len(modelfree) + 1):
                 if m:
                     depth, reach = modelfree[m - 1]
-                    if depth > max_rows:
+                    if depth >= max_rows:
                         break
                     old = b[depth]
                     b[depth] = min(1.0, old + reach)
-                    ad = depth_a[depth - 1] if depth <= model_rows else 0.0
+                    ad = a ** depth if depth <= model_rows else 0.0
                     if tree:
                         expected += (b[depth] - old) * (1.0 - ad)
                     else:  # one chain: the likelier of the two at each depth
@@ -213,18 +216,17 @@ class CostModel:
                     break
                 if k == 0 and m == 0 and not allow_none:
                     continue
-                choice = Choice(k, m, expected, base + verify(rows), rows)
-                if best is None or choice.rate > best.rate:
-                    best = choice
-                if k and (best_model is None or choice.rate > best_model.rate):
-                    best_model = choice
+                rate = expected / (base + v(rows))
+                if best is None or rate > best.rate:
+                    best = Choice(k, m, expected, base + v(rows), rows)
         if best is None:
-            best = Choice(0, 0, 1.0, verify(1), 1)
+            best = Choice(0, 0, 1.0, v(1), 1)
         explore = self.config.auto_explore_every
         if best_model is not None and best.k == 0 and self.rounds - self.last_model_round >= explore:
+            drafter = Choice(best_model[1], 0, best_model[3], best_model[4], 1 + best_model[2])
             log.debug("auto: re-measuring the drafter (%s expected %.1f tok/s, best %s %.1f tok/s)",
-                      best_model.label("drafter"), best_model.rate, best.label("drafter"), best.rate)
-            best = best_model
+                      drafter.label("drafter"), drafter.rate, best.label("drafter"), best.rate)
+            best = drafter
         if best.k:
             self.last_model_round = self.rounds
         return best
