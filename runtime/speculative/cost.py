@@ -21,6 +21,8 @@ the target verifies chains only. Every figure is measured as the rounds run:
   tested when the walk reached its parent; buckets are the match length (prompt lookup) and
   tenths of the count estimate (suffix tree), so the estimates are calibrated, not trusted.
 
+A drafter the model does not pick is re-measured every `auto_explore_every` rounds, while
+what these rounds are expected to lose stays under EXPLORE_SHARE of the measured time.
 Until the first measurements the model starts from a 30 ms step, rows costing 15% of a step and
 60% acceptance; the first rounds replace them. The search is exhaustive over k and m (one
 incremental pass per k), well under a millisecond for the usual sizes.
@@ -39,6 +41,7 @@ log = logging.getLogger("hetero_run.runtime.speculative.cost")
 PRIOR_STEP_S = 0.03
 PRIOR_ROW_SHARE = 0.15
 PRIOR_ACCEPT = 0.6
+EXPLORE_SHARE = 0.02  # re-measuring a drafter auto does not pick may cost this share of the time at most
 
 
 class VerifyCost:
@@ -149,10 +152,16 @@ class CostModel:
         self.modelfree_seconds = _Mean(0.0, 1e-9)
         self.rounds = 0
         self.last_model_round = -10**9
+        self.elapsed = 0.0  # seconds of every round measured
+        self.explore_loss = 0.0  # what re-measuring the drafter was expected to cost, in seconds
 
     # -- measurements ---------------------------------------------------------------------------
     def record_verify(self, rows: int, seconds: float, tree: bool) -> None:
         (self.tree_verify if tree else self.verify).record(rows, seconds)
+        self.elapsed += seconds
+
+    def record_round(self, draft_seconds: float) -> None:
+        self.elapsed += draft_seconds
 
     def record_draft(self, k: int, seconds: float, catch_up_tokens: int, catch_up_seconds: float,
                      rows: int) -> None:
@@ -221,12 +230,15 @@ class CostModel:
                     best = Choice(k, m, expected, base + v(rows), rows)
         if best is None:
             best = Choice(0, 0, 1.0, v(1), 1)
-        explore = self.config.auto_explore_every
-        if best_model is not None and best.k == 0 and self.rounds - self.last_model_round >= explore:
+        if best_model is not None and best.k == 0 and self.rounds - self.last_model_round >= \
+                self.config.auto_explore_every:
             drafter = Choice(best_model[1], 0, best_model[3], best_model[4], 1 + best_model[2])
-            log.debug("auto: re-measuring the drafter (%s expected %.1f tok/s, best %s %.1f tok/s)",
-                      drafter.label("drafter"), drafter.rate, best.label("drafter"), best.rate)
-            best = drafter
+            loss = max(0.0, drafter.seconds - drafter.expected / best.rate)  # expected, in seconds
+            if self.explore_loss + loss <= EXPLORE_SHARE * self.elapsed:
+                log.debug("auto: re-measuring the drafter (%s expected %.1f tok/s, best %s %.1f tok/s)",
+                          drafter.label("drafter"), drafter.rate, best.label("drafter"), best.rate)
+                self.explore_loss += loss
+                best = drafter
         if best.k:
             self.last_model_round = self.rounds
         return best

@@ -97,8 +97,9 @@ class SpeculativeSequence:
         self.position = n - 1
         first = self.verifier(RoundPlan(torch.empty(0, dtype=torch.long), None, n - 1), logits).token_ids
         self.none.commit(RoundPlan(torch.empty(0, dtype=torch.long), None, n), first)
-        if context is not None:
+        if context is not None and self.policy != "auto":
             context.catch_up()  # the drafter's prompt runs now, not inside the first measured round
+        # auto: the drafter reads the prompt when the cost model first picks it (catch-up counted)
         self.prefill_seconds = time.perf_counter() - self.begin
         self.position = n  # target position of the next token; the KV cache holds the prompt
         kept = self._append(first)
@@ -231,6 +232,7 @@ class SpeculativeSequence:
         if plan.tree is not None:
             self.cost.acceptance.record(plan.tree.cells, plan.tree.parents, verdict.rows)
         self.cost.record_verify(plan.k + 1, verify_seconds, not plan.is_chain)
+        self.cost.record_round(draft_s)
         self.position += len(emitted)
         kept = self._append(emitted)
         if self.model_plan is not None:

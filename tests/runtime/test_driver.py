@@ -153,7 +153,6 @@ def test_auto_logs_every_round_decision(caplog):
     assert result.token_ids == reference(PROMPTS[0])
     decisions = [r.message for r in caplog.records if r.message.startswith("round ")]
     assert len(decisions) == result.rounds and all("->" in d and "tok/s" in d for d in decisions)
-    assert "slem" in set(result.algorithms), "the drafter is re-measured even when it is not chosen"
 
 
 def test_auto_keeps_its_measurements_from_prompt_to_prompt():

@@ -71,5 +71,8 @@ def test_the_drafter_is_re_measured_every_explore_rounds():
         cost.acceptance.record([[], [(MODEL, 0)]], [-1, 0], [0])
     explorer = CostModel(SpeculationConfig(auto_explore_every=5))
     explorer.__dict__.update({k: v for k, v in cost.__dict__.items() if k != "config"})
+    explorer.elapsed = 0.0
+    assert not any(explorer.choose([], model=True, tree=True).k for _ in range(20)), "no time spent: no budget"
+    explorer.elapsed = 100.0  # seconds measured: 2% of them may go to re-measuring
     picks = [explorer.choose([], model=True, tree=True).k for _ in range(20)]
     assert picks.count(0) >= 15 and any(picks)
