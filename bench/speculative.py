@@ -202,7 +202,7 @@ class RuntimePair:
         params = SamplingParams(**sampling)
         engine.generate(WARM_UP, 8, params, chat=True, stop_ids=set())
         if engine.suffix_cache is not None:  # the warm-up is no earlier generation of the set
-            engine.suffix_cache.generations.clear()
+            engine.suffix_cache.clear()
         results = [engine.generate(p["prompt"], new_tokens, params, chat=True, stop_ids=set()) for p in prompts]
         tokens, seconds = sum(r.new_tokens for r in results), sum(r.seconds for r in results)
         rounds = sum(r.rounds for r in results)

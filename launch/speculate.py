@@ -123,6 +123,13 @@ class SpeculativeDecoder:
         self.algorithm = config.algorithm
         self.sampling, self.live = sampling, live
 
+    def warm_up(self, prompt, max_new_tokens: int, stop_ids: set[int], on_tokens) -> dict:
+        """An untimed run that leaves no trace in the suffix cache (it is no earlier generation)."""
+        out = self.generate(prompt, max_new_tokens, stop_ids, on_tokens)
+        if self.engine.suffix_cache is not None:
+            self.engine.suffix_cache.clear()
+        return out
+
     def generate(self, prompt, max_new_tokens: int, stop_ids: set[int],
                  on_tokens: Callable[[list[int]], None]) -> dict:
         with LiveStats(self.live) as stats:

@@ -85,6 +85,13 @@ class SuffixCache:
             self._compact()
         self.update_seconds += time.perf_counter() - begin
 
+    def clear(self) -> None:
+        """Forget every cached generation."""
+        self._check_thread()
+        self.generations.clear()
+        self.pairs.clear()
+        self.entries = self.live = 0
+
     def _compact(self) -> None:
         """Drop the index entries of evicted generations."""
         alive = self.generations
