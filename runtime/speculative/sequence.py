@@ -228,11 +228,7 @@ class SpeculativeSequence:
 
     def commit(self, verdict: Verdict, verify_seconds: float, on_round=None) -> None:
         plan, emitted = self.plan, verdict.token_ids
-        draft_s = self.round_draft_seconds
-        if plan.tree is not None:
-            self.cost.acceptance.record(plan.tree.cells, plan.tree.parents, verdict.rows)
-        self.cost.record_verify(plan.k + 1, verify_seconds, not plan.is_chain)
-        self.cost.record_round(draft_s)
+        begin = time.perf_counter()
         self.position += len(emitted)
         kept = self._append(emitted)
         if self.model_plan is not None:
@@ -241,6 +237,11 @@ class SpeculativeSequence:
             units = self.none.commit(plan, emitted)
         if self.modelfree is not None:
             self.modelfree.extend(kept)
+        draft_s = self.round_draft_seconds + time.perf_counter() - begin  # proposing and catching up
+        if plan.tree is not None:
+            self.cost.acceptance.record(plan.tree.cells, plan.tree.parents, verdict.rows)
+        self.cost.record_verify(plan.k + 1, verify_seconds, not plan.is_chain)
+        self.cost.record_round(draft_s)
         if self.policy in ("model", "hybrid") and self.model_plan is not None:
             self.lengths[self.model_name].record(self.k, units, self.model_plan.k + 1, len(emitted), draft_s,
                                                  verify_seconds)
