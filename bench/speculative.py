@@ -19,16 +19,19 @@ ignored so every row generates the same number of tokens):
 - grounded: bench/prompts/grounded.jsonl, requests that work on a given input: edit this code,
   summarise this text, answer from this passage, convert this record.
 
-Each row is a fresh engine (its suffix cache starts empty: only earlier prompts of the same
-row are "earlier generations"; the warm-up prompt is not in any set). Figures per row: tok/s
-over all prompts of the set (prefill included, as for every row), the ratio to the target
-alone in the same run, tokens per round, acceptance (accepted / draft rows verified), whether
-every greedy output is token-identical to the target alone (sampled rows draw other random
-streams; their exactness is what tests/runtime/speculative/test_sampling_exact.py shows), what
-auto picked, and the model-free proposers' lookup and update cost per round (the suffix
-tree's update cost included). With llama-cpp-python importable, llama.cpp runs the same GGUF
-target on 2 threads alone and with its prompt-lookup drafter (greedy; the same prompts
-rendered by the same chat template). Writes DIR/speculative.json and prints one table per
+Prefill is the same work in every hetero-run row, and on this CPU the NVFP4 target prefills
+slowly (its kernel is compute-bound), so a long grounded prompt's prefill can outweigh its 64
+new tokens: the tables give decode tok/s (new tokens after the first, over the time after it)
+beside end-to-end tok/s, and the ratios of both to the target alone in the same run. Each row
+is a fresh engine (its suffix cache starts empty: only earlier prompts of the same row are
+"earlier generations"; the warm-up prompt is not in any set). Also per row: tokens per round,
+acceptance (accepted / draft rows verified), whether every greedy output is token-identical to
+the target alone (sampled rows draw other random streams; their exactness is what
+tests/runtime/speculative/test_sampling_exact.py shows), what auto picked, and the model-free
+proposers' lookup and update cost per round (the suffix tree's update included). With
+llama-cpp-python importable, llama.cpp runs the same GGUF target on 2 threads alone and with
+its prompt-lookup drafter (greedy; the same prompts rendered by the same chat template).
+Writes DIR/speculative.json and prints one table per
 prompt set.
 """
 
@@ -205,6 +208,7 @@ class RuntimePair:
             engine.suffix_cache.clear()
         results = [engine.generate(p["prompt"], new_tokens, params, chat=True, stop_ids=set()) for p in prompts]
         tokens, seconds = sum(r.new_tokens for r in results), sum(r.seconds for r in results)
+        decode = sum(r.seconds - r.prefill_seconds for r in results)
         rounds = sum(r.rounds for r in results)
         counters: dict = {}
         for r in results:
@@ -212,7 +216,8 @@ class RuntimePair:
                 counters[key] = counters.get(key, 0) + value
         cost = {k: round(sum(r.counters.get(k, 0.0) for r in results) / len(results), 1)
                 for k in ("modelfree_propose_us_per_round", "modelfree_update_us_per_round")}
-        return {**row, "tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
+        return {**row, "decode_tok_s": (tokens - len(results)) / decode, "tok_s": tokens / seconds,
+                "tokens": tokens, "seconds": seconds, "prefill_seconds": seconds - decode,
                 "tokens_per_round": tokens / rounds, "rounds": rounds,
                 "acceptance": sum(r.accepted for r in results) / max(1, sum(r.drafted for r in results)),
                 "rounds_by": counters, "modelfree_cost": cost, "ids": [r.token_ids for r in results]}
@@ -246,16 +251,22 @@ class LlamaCpp:
                                                        add_generation_prompt=True, tokenize=False) for p in prompts]
                 options = dict(max_tokens=new_tokens, temperature=0.0, top_k=1, logit_bias={s: -1e9 for s in stops})
                 llm.create_completion(WARM_UP, max_tokens=8, temperature=0.0)
-                tokens, seconds = 0, 0.0
+                tokens, seconds, decode = 0, 0.0, 0.0
                 for text in texts:
                     llm.reset()
                     begin = time.perf_counter()
-                    out = llm.create_completion(text, **options)
-                    seconds += time.perf_counter() - begin
-                    tokens += out["usage"]["completion_tokens"]
+                    first, n = None, 0
+                    for _ in llm.create_completion(text, stream=True, **options):  # one chunk per token
+                        first = first or time.perf_counter()
+                        n += 1
+                    end = time.perf_counter()
+                    seconds += end - begin
+                    decode += end - first
+                    tokens += n
                 rows.append({"system": "llama.cpp", "algorithm": "prompt lookup" if drafted else "none",
-                             "mode": "greedy", "set": name, "tp": 1, "tok_s": tokens / seconds, "tokens": tokens,
-                             "seconds": seconds})
+                             "mode": "greedy", "set": name, "tp": 1, "tok_s": tokens / seconds,
+                             "decode_tok_s": (tokens - len(texts)) / decode, "tokens": tokens, "seconds": seconds,
+                             "prefill_seconds": seconds - decode})
                 _progress(rows[-1])
             del llm
         return rows
@@ -297,7 +308,7 @@ class TransformersPair:
                 seconds += time.perf_counter() - begin
                 ids.append(out[0, prompt_ids.shape[1]:].tolist())
         return {"system": "transformers", "algorithm": "assisted" if assisted else "none", "mode": mode,
-                "tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds, "ids": ids}
+                "tok_s": tokens / seconds, "decode_tok_s": None, "tokens": tokens, "seconds": seconds, "ids": ids}
 
 
 def _compare(rows: list[dict]) -> None:
@@ -311,11 +322,14 @@ def _compare(rows: list[dict]) -> None:
             continue
         base = alone(r) if r["system"] == "hetero-run" else alone({**r, "tp": 1})
         r["vs_target_alone"] = r["tok_s"] / base["tok_s"] if base else None
+        r["decode_vs_target_alone"] = r["decode_tok_s"] / base["decode_tok_s"] \
+            if base and r.get("decode_tok_s") else None
         r["identical"] = (r["ids"] == base["ids"]) if r["mode"] == "greedy" and base and "ids" in r else None
 
 
 def _progress(r: dict) -> None:
-    what = r.get("skipped") or f"{r['tok_s']:.2f} tok/s"
+    what = r.get("skipped") or f"{r['tok_s']:.2f} tok/s end to end" + (
+        f", {r['decode_tok_s']:.2f} tok/s decode" if r.get("decode_tok_s") else "")
     print(f"{r['system']:12s} TP={r.get('tp', 1)} {r.get('set', ''):9s} {r['mode']:7s} {r['algorithm']:28s} {what}",
           flush=True)
 
@@ -326,21 +340,25 @@ def _tables(rows: list[dict]) -> None:
 
     console = Console(width=220)
     for name in dict.fromkeys(r.get("set") for r in rows):
-        table = Table(title=f"prompt set '{name}': tok/s over all its prompts (prefill included); ratios to "
-                            "hetero-run's target alone in the same run, same TP and mode")
-        for column in ("TP", "mode", "system", "algorithm", "tok/s", "vs target alone", "tokens/round",
-                       "acceptance", "identical", "rounds by choice", "model-free us/round (lookup, update)"):
+        table = Table(title=f"prompt set '{name}': decode tok/s (after the first token) and end-to-end tok/s "
+                            "(prefill included) over all its prompts; ratios to hetero-run's target alone in the "
+                            "same run, same TP and mode")
+        for column in ("TP", "mode", "system", "algorithm", "decode tok/s", "vs target alone", "end-to-end tok/s",
+                       "vs target alone ", "tokens/round", "acceptance", "identical", "rounds by choice",
+                       "model-free us/round (lookup, update)"):
             table.add_column(column, justify="left" if column in ("mode", "system", "algorithm", "rounds by choice")
                              else "right")
         for r in rows:
             if r.get("set") != name:
                 continue
             if "skipped" in r:
-                table.add_row(str(r["tp"]), r["mode"], r["system"], r["algorithm"], *["-"] * 5, r["skipped"], "-")
+                table.add_row(str(r["tp"]), r["mode"], r["system"], r["algorithm"], *["-"] * 7, r["skipped"], "-")
                 continue
             cost = r.get("modelfree_cost") or {}
             table.add_row(
-                str(r["tp"]), r["mode"], r["system"], r["algorithm"], f"{r['tok_s']:.2f}", _x(r.get("vs_target_alone")),
+                str(r["tp"]), r["mode"], r["system"], r["algorithm"],
+                f"{r['decode_tok_s']:.2f}" if r.get("decode_tok_s") else "-", _x(r.get("decode_vs_target_alone")),
+                f"{r['tok_s']:.2f}", _x(r.get("vs_target_alone")),
                 f"{r['tokens_per_round']:.2f}" if "tokens_per_round" in r else "-",
                 f"{r['acceptance']:.1%}" if "acceptance" in r else "-",
                 {None: "-", True: "yes", False: "NO"}[r.get("identical")],
