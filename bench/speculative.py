@@ -215,7 +215,8 @@ class RuntimePair:
             for key, value in r.rounds_by_algorithm().items():
                 counters[key] = counters.get(key, 0) + value
         cost = {k: round(sum(r.counters.get(k, 0.0) for r in results) / len(results), 1)
-                for k in ("modelfree_propose_us_per_round", "modelfree_update_us_per_round")}
+                for k in ("modelfree_propose_us_per_round", "modelfree_update_us_per_round",
+                          "modelfree_suffix_update_us_per_round")}
         return {**row, "decode_tok_s": (tokens - len(results)) / decode, "tok_s": tokens / seconds,
                 "tokens": tokens, "seconds": seconds, "prefill_seconds": seconds - decode,
                 "tokens_per_round": tokens / rounds, "rounds": rounds,
@@ -345,7 +346,7 @@ def _tables(rows: list[dict]) -> None:
                             "same run, same TP and mode")
         for column in ("TP", "mode", "system", "algorithm", "decode tok/s", "vs target alone", "end-to-end tok/s",
                        "vs target alone ", "tokens/round", "acceptance", "identical", "rounds by choice",
-                       "model-free us/round (lookup, update)"):
+                       "model-free us/round (lookup, update, of it suffix)"):
             table.add_column(column, justify="left" if column in ("mode", "system", "algorithm", "rounds by choice")
                              else "right")
         for r in rows:
@@ -370,7 +371,8 @@ def _tables(rows: list[dict]) -> None:
 def _us(cost: dict) -> str:
     if not any(cost.values()):
         return "-"
-    return f"{cost['modelfree_propose_us_per_round']:.0f}, {cost['modelfree_update_us_per_round']:.0f}"
+    return (f"{cost['modelfree_propose_us_per_round']:.0f}, {cost['modelfree_update_us_per_round']:.0f}, "
+            f"{cost['modelfree_suffix_update_us_per_round']:.0f}")
 
 
 def _x(value: float | None) -> str:

@@ -46,10 +46,15 @@ class ModelFree:
         if self.suffix is not None:
             begin = time.perf_counter()
             self.suffix.finish()
-            self.update_seconds += time.perf_counter() - begin
+            spent = time.perf_counter() - begin
+            self.update_seconds += spent
+            self.suffix.update_seconds += spent  # adding the generation to the shared cache
 
     @property
     def counters(self) -> dict[str, float]:
         rounds = max(1, self.rounds)
-        return {"propose_us_per_round": round(1e6 * self.propose_seconds / rounds, 1),
-                "update_us_per_round": round(1e6 * self.update_seconds / rounds, 1)}
+        out = {"propose_us_per_round": round(1e6 * self.propose_seconds / rounds, 1),
+               "update_us_per_round": round(1e6 * self.update_seconds / rounds, 1)}
+        if self.suffix is not None:
+            out["suffix_update_us_per_round"] = round(1e6 * self.suffix.update_seconds / rounds, 1)
+        return out
