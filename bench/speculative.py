@@ -117,9 +117,8 @@ def _measure(args, sets: dict, ctx=None) -> list[dict]:
     try:
         for name, prompts in sets.items():
             for mode in args.modes.split(","):
-                for algorithm in args.algorithms.split(","):
-                    rows.append({**runtime.run(algorithm, mode, prompts, args.new_tokens, _sampling(mode)),
-                                 "set": name, "tp": tp})
+                for row in runtime.run(args.algorithms.split(","), mode, prompts, args.new_tokens, _sampling(mode)):
+                    rows.append({**row, "set": name, "tp": tp})
                     _progress(rows[-1])
     finally:
         runtime.close()
@@ -186,42 +185,56 @@ class RuntimePair:
     def close(self) -> None:
         self.runner.close()
 
-    def run(self, algorithm: str, mode: str, prompts: list[dict], new_tokens: int, sampling: dict) -> dict:
+    def run(self, algorithms: list[str], mode: str, prompts: list[dict], new_tokens: int, sampling: dict) -> list[dict]:
+        """One row per algorithm. The algorithms take turns on each prompt (the machine's load
+        drifts over minutes; turns keep the ratios fair), each with its own engine, so what one
+        learns from earlier prompts (cost model, suffix cache) stays its own."""
         from hetero_run.kernels.sampling import SamplingParams
         from hetero_run.runtime.driver import SpeculativeEngine
         from hetero_run.runtime.speculative.config import MODEL_FREE, SpeculationConfig
         from hetero_run.topology.errors import UserError
 
-        drafter_algorithm = "slem" if mode == "greedy" else "tli"
-        name = {"drafter": drafter_algorithm, "hybrid": drafter_algorithm}.get(algorithm, algorithm)
-        label = f"{name} + model-free (hybrid)" if algorithm == "hybrid" else name
-        row = {"system": "hetero-run", "algorithm": label, "mode": mode}
-        drafter = None if name in ("none", *MODEL_FREE) else self.drafter
-        try:
-            engine = SpeculativeEngine(self.runner, self.tokenizer, drafter,
-                                       SpeculationConfig(algorithm=name, hybrid=algorithm == "hybrid"))
-        except UserError as e:
-            return {**row, "skipped": str(e)}
         params = SamplingParams(**sampling)
-        engine.generate(WARM_UP, 8, params, chat=True, stop_ids=set())
-        if engine.suffix_cache is not None:  # the warm-up is no earlier generation of the set
-            engine.suffix_cache.clear()
-        results = [engine.generate(p["prompt"], new_tokens, params, chat=True, stop_ids=set()) for p in prompts]
-        tokens, seconds = sum(r.new_tokens for r in results), sum(r.seconds for r in results)
-        decode = sum(r.seconds - r.prefill_seconds for r in results)
-        rounds = sum(r.rounds for r in results)
-        counters: dict = {}
-        for r in results:
-            for key, value in r.rounds_by_algorithm().items():
-                counters[key] = counters.get(key, 0) + value
-        cost = {k: round(sum(r.counters.get(k, 0.0) for r in results) / len(results), 1)
-                for k in ("modelfree_propose_us_per_round", "modelfree_update_us_per_round",
-                          "modelfree_suffix_update_us_per_round")}
-        return {**row, "decode_tok_s": (tokens - len(results)) / decode, "tok_s": tokens / seconds,
-                "tokens": tokens, "seconds": seconds, "prefill_seconds": seconds - decode,
-                "tokens_per_round": tokens / rounds, "rounds": rounds,
-                "acceptance": sum(r.accepted for r in results) / max(1, sum(r.drafted for r in results)),
-                "rounds_by": counters, "modelfree_cost": cost, "ids": [r.token_ids for r in results]}
+        drafter_algorithm = "slem" if mode == "greedy" else "tli"
+        engines, rows = {}, []
+        for algorithm in algorithms:
+            name = {"drafter": drafter_algorithm, "hybrid": drafter_algorithm}.get(algorithm, algorithm)
+            label = f"{name} + model-free (hybrid)" if algorithm == "hybrid" else name
+            drafter = None if name in ("none", *MODEL_FREE) else self.drafter
+            try:
+                engine = SpeculativeEngine(self.runner, self.tokenizer, drafter,
+                                           SpeculationConfig(algorithm=name, hybrid=algorithm == "hybrid"))
+            except UserError as e:
+                rows.append({"system": "hetero-run", "algorithm": label, "mode": mode, "skipped": str(e)})
+                continue
+            engine.generate(WARM_UP, 8, params, chat=True, stop_ids=set())
+            if engine.suffix_cache is not None:  # the warm-up is no earlier generation of the set
+                engine.suffix_cache.clear()
+            engines[label] = engine
+        results = {label: [] for label in engines}
+        for p in prompts:
+            for label, engine in engines.items():
+                results[label].append(engine.generate(p["prompt"], new_tokens, params, chat=True, stop_ids=set()))
+        for label, done in results.items():
+            rows.append({"system": "hetero-run", "algorithm": label, "mode": mode, **_figures(done)})
+        return rows
+
+
+def _figures(results) -> dict:
+    tokens, seconds = sum(r.new_tokens for r in results), sum(r.seconds for r in results)
+    decode = sum(r.seconds - r.prefill_seconds for r in results)
+    rounds = sum(r.rounds for r in results)
+    counters: dict = {}
+    for r in results:
+        for key, value in r.rounds_by_algorithm().items():
+            counters[key] = counters.get(key, 0) + value
+    cost = {k: round(sum(r.counters.get(k, 0.0) for r in results) / len(results), 1)
+            for k in ("modelfree_propose_us_per_round", "modelfree_update_us_per_round",
+                      "modelfree_suffix_update_us_per_round")}
+    return {"decode_tok_s": (tokens - len(results)) / decode, "tok_s": tokens / seconds, "tokens": tokens,
+            "seconds": seconds, "prefill_seconds": seconds - decode, "tokens_per_round": tokens / rounds,
+            "rounds": rounds, "acceptance": sum(r.accepted for r in results) / max(1, sum(r.drafted for r in results)),
+            "rounds_by": counters, "modelfree_cost": cost, "ids": [r.token_ids for r in results]}
 
 
 class LlamaCpp:
