@@ -41,6 +41,7 @@ log = logging.getLogger("hetero_run.runtime.speculative.cost")
 PRIOR_STEP_S = 0.03
 PRIOR_ROW_SHARE = 0.15
 PRIOR_ACCEPT = 0.6
+PRIOR_CATCH_UP_S = 0.01  # pessimistic until measured: the first re-measurement reads the whole prompt
 EXPLORE_SHARE = 0.02  # re-measuring a drafter auto does not pick may cost this share of the time at most
 
 
@@ -147,7 +148,7 @@ class CostModel:
         self.tree_verify = VerifyCost(self.verify)
         self.acceptance = Acceptance()
         self.draft = _Line()  # drafter seconds (catch-up excluded) over units drafted
-        self.catch_up = _Mean(0.002, 0.5)  # drafter seconds per caught-up token
+        self.catch_up = _Mean(PRIOR_CATCH_UP_S, 0.5)  # drafter seconds per caught-up token
         self.rows_per_unit = _Mean(1.0, 1.0)  # target rows per drafted unit (slem: per drafter token)
         self.modelfree_seconds = _Mean(0.0, 1e-9)
         self.rounds = 0

@@ -66,6 +66,7 @@ class SpeculativeSequence:
         self.draft_seconds = self.verify_seconds = 0.0
         self.stop_reason = "length"
         self.plan: RoundPlan | None = None
+        self.unsynced: list[int] = []  # accepted target tokens the drafter has not read yet (auto)
         self.finished = False
 
     # -- prefill --------------------------------------------------------------------------------
@@ -174,7 +175,7 @@ class SpeculativeSequence:
             k_range, use_model = (k, k), k > 0
         if policy == "modelfree" and not figures:
             return self._label(self._empty(), "none")
-        pending = self.session.context.pending_tokens if self.session.context is not None else 0
+        pending = self.session.context.pending_tokens + len(self.unsynced) if self.session.context is not None else 0
         if self.config.adaptive or policy == "auto":
             choice = self.cost.choose(figures, use_model, self.trees, pending, k_range, policy != "modelfree", room)
         else:  # fixed sizes: the drafter's k and every model-free candidate that fits
@@ -187,11 +188,18 @@ class SpeculativeSequence:
         if choice.k:
             self.k = self._model_k(choice.k, room)
             begin = time.perf_counter()
+            self._sync_drafter()
             self.model_plan = self.model.propose(self.k, self.position)
             context = self.session.context
             tokens, seconds = context.last_catch_up if context is not None else (0, 0.0)
             self.cost.record_draft(self.k, time.perf_counter() - begin, tokens, seconds, self.model_plan.k)
         return self._merge(self.model_plan, modelfree, order[:choice.m], room)
+
+    def _sync_drafter(self) -> None:
+        """Hand the drafter the text accepted since it last drafted (auto: only when it drafts)."""
+        if self.unsynced:
+            self.none.commit(self._empty(), self.unsynced)
+            self.unsynced = []
 
     def _empty(self) -> RoundPlan:
         return RoundPlan(torch.empty(0, dtype=torch.long), None, self.position, extras=[])
@@ -233,6 +241,9 @@ class SpeculativeSequence:
         kept = self._append(emitted)
         if self.model_plan is not None:
             units = self.model.commit(self.model_plan, emitted)
+        elif self.policy == "auto" and self.session.context is not None:
+            self.unsynced += emitted  # the drafter reads it when it next drafts
+            units = 0
         else:
             units = self.none.commit(plan, emitted)
         if self.modelfree is not None:
