@@ -40,6 +40,8 @@ class SpeculationConfig:
     suffix_max_tokens: int = 4096  # suffix: tokens kept per earlier generation
     max_verify_rows: int = VERIFY_MAX_ROWS  # target rows per round at most (row 0 included)
     auto_explore_every: int = 32  # auto: rounds between re-measurements of a drafter it does not pick
+    auto_probe_rounds: int = 6  # selector.Selector (per-algorithm turns): rounds each candidate is measured for
+    auto_reprobe_every: int = 96  # selector.Selector: rounds between re-measurements of the other candidates
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -52,7 +54,8 @@ class SpeculationConfig:
             raise ConfigError(f"must be within {self.min_draft_len}..{self.max_draft_len}, got {self.draft_len}",
                               field="draft_len")
         for name in ("max_target_draft", "window", "slrs_width", "slrs_depth", "slrs_max_nodes",
-                     "auto_explore_every", "prompt_lookup_min", "modelfree_max_nodes", "suffix_max_depth",
+                     "auto_explore_every", "auto_probe_rounds", "auto_reprobe_every", "prompt_lookup_min",
+                     "modelfree_max_nodes", "suffix_max_depth",
                      "suffix_max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"must be >= 1, got {getattr(self, name)}", field=name)

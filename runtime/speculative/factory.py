@@ -35,6 +35,18 @@ def check_algorithm(name: str, has_drafter: bool, same_vocab: bool, eagle3: bool
                           "differs (use slem, tli, slrs or auto)", field="algorithm")
 
 
+def candidates(has_drafter: bool, same_vocab: bool, greedy: bool, eagle3: bool = False) -> list[str]:
+    """The drafter algorithms a per-algorithm selector (`selector.Selector`) measures, most
+    promising first; `none` (no speculation) is always last."""
+    if not has_drafter:
+        return ["none"]
+    if eagle3:
+        return ["eagle3", "none"]
+    if same_vocab:
+        return ["standard", "slem", "none"]
+    return (["slem", "tli", "slrs"] if greedy else ["tli", "slem", "slrs"]) + ["none"]
+
+
 def model_algorithm(has_drafter: bool, same_vocab: bool, greedy: bool, eagle3: bool = False) -> str | None:
     """The drafter algorithm `auto` runs when its cost model picks the drafter: the paper's and
     transformers' defaults (slem when greedy, tli when sampling) for another vocabulary,

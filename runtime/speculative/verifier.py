@@ -118,3 +118,8 @@ class RejectionSampler:
     def _choose(self, r: torch.Tensor, children: dict[int, int]) -> int:
         """The target's own token from r; the walk moves on when a fixed candidate holds it."""
         return int(torch.multinomial(r, 1, generator=self.generator)[0])
+
+
+def read_emitted(verdict: Verdict) -> list[int]:
+    """The emitted token ids of a round (accepted tokens, then the recovered or bonus token)."""
+    return verdict.token_ids

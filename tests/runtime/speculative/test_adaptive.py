@@ -1,11 +1,13 @@
-"""Draft length from measured acceptance and cost."""
+"""Draft length from measured acceptance and cost; `auto` keeps the fastest measured candidate."""
 
 from __future__ import annotations
 
+import logging
 import random
 
 from hetero_run.runtime.speculative.adaptive import DraftLength
 from hetero_run.runtime.speculative.config import SpeculationConfig
+from hetero_run.runtime.speculative.selector import Selector
 
 
 def simulate(alpha: float, draft_unit_s: float, verify_s: float, rounds: int = 80, seed: int = 0) -> int:
@@ -39,3 +41,31 @@ def test_fixed_length_when_not_adaptive():
     for _ in range(20):
         assert lengths.next() == 5
         lengths.record(5, 0, 6, 1, 0.5, 0.05)
+
+
+def test_auto_keeps_the_fastest_and_logs_every_decision(caplog):
+    caplog.set_level(logging.INFO, logger="hetero_run")
+    speeds = {"slem": 30.0, "tli": 20.0, "none": 10.0}  # tokens per second
+    config = SpeculationConfig(auto_probe_rounds=3, auto_reprobe_every=10)
+    selector = Selector(["tli", "slem", "none"], config, auto=True)
+    seen = []
+    for _ in range(40):
+        name = selector.current()
+        seen.append(name)
+        selector.record(name, 3, 3 / speeds[name])
+    assert seen[:9] == ["tli"] * 3 + ["slem"] * 3 + ["none"] * 3
+    assert seen[9:19] == ["slem"] * 10  # the fastest runs alone
+    assert "tli" in seen[19:] and "none" in seen[19:]  # then the others are measured again
+    decisions = [r.message for r in caplog.records if "auto: measured" in r.message]
+    assert decisions[0].endswith("-> slem") and "slem 30.00 tok/s" in decisions[0]
+    assert any("re-measuring" in r.message for r in caplog.records)
+
+
+def test_auto_follows_a_change_in_speed():
+    config = SpeculationConfig(auto_probe_rounds=4, auto_reprobe_every=8)
+    selector = Selector(["slem", "none"], config, auto=True)
+    for i in range(200):
+        name = selector.current()
+        slem_speed = 30.0 if i < 60 else 5.0  # the text turns hard to draft
+        selector.record(name, 3, 3 / (slem_speed if name == "slem" else 10.0))
+    assert selector.best == "none"
