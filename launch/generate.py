@@ -199,9 +199,9 @@ class TargetOnly:
 
 
 def make_decoder(config: GenerateConfig, runner, tokenizer=None, drafter=None, live: bool | None = None) -> Decoder:
-    """The target alone, or the speculative engine when there is a drafter. Both read
-    `decoder.sampling` at every generate() (the server sets it per request)."""
-    if drafter is None:
+    """The target alone, or the speculative engine when there is a drafter or a model-free
+    proposer. Both read `decoder.sampling` at every generate()."""
+    if drafter is None and config.algorithm == "none":
         return TargetOnly(runner, config.sampling)
     return speculate.SpeculativeDecoder(runner, tokenizer, drafter, config.speculation, config.sampling,
                                         live=not config.json if live is None else live)
@@ -303,7 +303,8 @@ def run_prompts(decoder: Decoder, tokenizer, prompts: list[Prompt], config: Gene
             if config.chat else EnginePrompt(text=prompt.text, target_ids=tuple(ids))
         if baseline is not None and not results:  # untimed warm-up of both, so neither pays first-use costs
             for warm in (baseline, decoder):
-                warm.generate(request, min(8, config.max_new_tokens), stop_ids, lambda ids: None)
+                getattr(warm, "warm_up", warm.generate)(request, min(8, config.max_new_tokens), stop_ids,
+                                                        lambda ids: None)
         reference = _generate(baseline, tokenizer, prompt, request, len(ids), config, stop_ids, None) \
             if baseline is not None else None
         result = _generate(decoder, tokenizer, prompt, request, len(ids), config, stop_ids, write)
@@ -484,6 +485,9 @@ def _report(result: Result, as_json: bool, log) -> None:
             f"{r['target_alone_tokens_per_second']:.2f} tok/s: [bold]speed-up {r['speedup']:.2f}x[/]; acceptance "
             f"{r.get('acceptance_rate', 0.0):.1%}, {r.get('tokens_per_round', 1.0):.2f} tokens/round; output identical "
             f"to the target alone: {same}")
+        if r.get("rounds_by_algorithm"):
+            console().print("rounds by choice: " + ", ".join(
+                f"{name} {n}" for name, n in sorted(r["rounds_by_algorithm"].items(), key=lambda kv: -kv[1])))
 
 
 def together(dist, what: str, step: Callable[[], object]):

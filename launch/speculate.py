@@ -22,13 +22,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a small causal LM with its own tokenizer, any vocabulary (docs/algorithms.md); or "
                        "eagle3:DIR, an EAGLE-3 head for this target (docs/eagle3.md)")
     group.add_argument("--algorithm", choices=ALGORITHMS, default=None,
-                       help="auto measures the candidates online, no speculation included, and keeps the fastest "
-                       "(default: auto with --drafter, none without)")
+                       help="auto picks, every round, from measured cost per token: the target alone, the model-free "
+                       "proposers, the drafter or both in one tree; ngram (prompt lookup) and suffix (suffix "
+                       "decoding) need no drafter (default: auto with --drafter, none without)")
     group.add_argument("--draft-len", type=int, default=4, metavar="K",
                        help="draft length of the first round; every round's with --fixed-draft-len (default 4)")
     group.add_argument("--fixed-draft-len", action="store_true",
                        help="keep --draft-len every round instead of adapting it to measured acceptance and cost")
     group.add_argument("--max-draft-len", type=int, default=12, metavar="K", help="adaptive upper bound (default 12)")
+    group.add_argument("--hybrid", action="store_true",
+                       help="with a drafter algorithm: also verify the model-free candidates in the same round")
+    group.add_argument("--model-free", default="ngram,suffix", metavar="LIST",
+                       help="model-free proposers auto and --hybrid use: ngram, suffix or both (default ngram,suffix)")
+    group.add_argument("--prompt-lookup-min", type=int, default=2, metavar="N",
+                       help="ngram: shortest earlier match that proposes (default 2)")
+    group.add_argument("--prompt-lookup-max", type=int, default=5, metavar="N",
+                       help="ngram: longest match looked for (default 5)")
+    group.add_argument("--suffix-max-depth", type=int, default=24, metavar="N",
+                       help="suffix: longest match and deepest continuation (default 24)")
+    group.add_argument("--suffix-spec-factor", type=float, default=1.0, metavar="F",
+                       help="suffix: tree nodes per matched token at most (default 1.0)")
+    group.add_argument("--suffix-min-prob", type=float, default=0.1, metavar="P",
+                       help="suffix: continuations below this estimated probability are not proposed (default 0.1)")
+    group.add_argument("--suffix-max-generations", type=int, default=256, metavar="N",
+                       help="suffix: earlier generations the process keeps, oldest evicted first (default 256)")
     group.add_argument("--eagle3-layer-numbering", choices=("input", "output"),
                        help="override how the head's aux layer ids count (default: its layout's convention)")
     group.add_argument("--drafter-weights", choices=("dense", "nvfp4"), default="dense",
@@ -40,20 +57,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def speculation_config(args: argparse.Namespace):
     """The SpeculationConfig the flags ask for (a ConfigError names the flag)."""
-    from hetero_run.runtime.speculative.config import SpeculationConfig
+    from hetero_run.runtime.speculative.config import MODEL_FREE, SpeculationConfig
     from hetero_run.topology.errors import ConfigError
 
     algorithm = args.algorithm or ("auto" if args.drafter else "none")
-    if args.drafter is None and algorithm not in ("none", "auto"):
+    if args.drafter is None and algorithm not in ("none", "auto", *MODEL_FREE):
         raise ConfigError(f"algorithm {algorithm!r} needs a drafter", field="--drafter")
     if args.drafter is not None and not drafter_path(args.drafter).exists():
         raise ConfigError("no such drafter directory or GGUF file", file=drafter_path(args.drafter),
                           field="--drafter")
+    modelfree = tuple(m.strip() for m in args.model_free.split(",") if m.strip())
+    flags = {"modelfree": "--model-free"}
     try:
         return SpeculationConfig(algorithm=algorithm, draft_len=args.draft_len, adaptive=not args.fixed_draft_len,
-                                 max_draft_len=max(args.max_draft_len, args.draft_len))
+                                 max_draft_len=max(args.max_draft_len, args.draft_len), hybrid=args.hybrid,
+                                 modelfree=modelfree, prompt_lookup_min=args.prompt_lookup_min,
+                                 prompt_lookup_max=args.prompt_lookup_max, suffix_max_depth=args.suffix_max_depth,
+                                 suffix_spec_factor=args.suffix_spec_factor, suffix_min_prob=args.suffix_min_prob,
+                                 suffix_max_generations=args.suffix_max_generations)
     except ConfigError as exc:
-        raise ConfigError(exc.message, field="--" + (exc.field or "").replace("_", "-")) from None
+        field = flags.get(exc.field) or "--" + (exc.field or "").replace("_", "-")
+        raise ConfigError(exc.message, field=field) from None
 
 
 class LiveStats:
@@ -99,6 +123,13 @@ class SpeculativeDecoder:
         self.algorithm = config.algorithm
         self.sampling, self.live = sampling, live
 
+    def warm_up(self, prompt, max_new_tokens: int, stop_ids: set[int], on_tokens) -> dict:
+        """An untimed run that leaves no trace in the suffix cache (it is no earlier generation)."""
+        out = self.generate(prompt, max_new_tokens, stop_ids, on_tokens)
+        if self.engine.suffix_cache is not None:
+            self.engine.suffix_cache.clear()
+        return out
+
     def generate(self, prompt, max_new_tokens: int, stop_ids: set[int],
                  on_tokens: Callable[[list[int]], None]) -> dict:
         with LiveStats(self.live) as stats:
@@ -132,8 +163,9 @@ def load(args: argparse.Namespace, target, target_tokenizer, target_source: Path
 
     from hetero_run.runtime.drafters.load import load_drafter
     from hetero_run.runtime.eagle3 import EAGLE3_PREFIX, load_eagle3
+    from hetero_run.runtime.speculative.config import MODEL_FREE
 
-    if args.drafter is None or (args.algorithm or "auto") == "none":
+    if args.drafter is None or (args.algorithm or "auto") in ("none", *MODEL_FREE):
         return None
     if args.drafter.startswith(EAGLE3_PREFIX):
         return load_eagle3(args.drafter, target, target_tokenizer, target_source=target_source,

@@ -271,3 +271,81 @@ def restricted_pair_lm(tokenizer, alphabet: str, seed: int, cls=PairDrafter, spr
     b = torch.randn(vocab, vocab, generator=gen) * spread * 0.5
     a[:, ~allowed] = float("-inf")
     return cls(a, b), allowed
+
+
+class TreePairTarget(PairLM):
+    """A PairLM target that also verifies trees, with the interface the runner will have:
+    forward(ids, positions, num_logits=None, parents=None) -> logits for every row (row i's
+    from its parent row's token and its own, exactly what decoding that path gives), then
+    keep(rows) keeps row 0 and the accepted path as the cache's continuation."""
+
+    _tree_calls = False
+
+    def __init__(self, a: torch.Tensor, b: torch.Tensor):
+        super().__init__(a, b)
+        self.pending: list[int] | None = None
+        self.tree_forwards = 0
+
+    def forward(self, ids, positions=None, num_logits=None, parents=None):
+        if parents is None:
+            return super().forward(ids, positions, num_logits=num_logits)
+        ids = ids.tolist()
+        assert parents[0] == -1 and all(p < i for i, p in enumerate(parents))
+        rows = []
+        for token, parent in zip(ids, parents, strict=True):
+            prev = ids[parent] if parent >= 0 else (self.tokens[-1] if self.tokens else -1)
+            rows.append(self._row(prev, token))
+        self.pending = ids
+        self.tree_forwards += 1
+        return torch.stack(rows)
+
+    def keep(self, rows: list[int]) -> None:
+        assert self.pending is not None and rows[0] == 0, rows
+        self.tokens += [self.pending[r] for r in rows]
+        self.pending = None
+
+
+class TreeRunner:
+    """Tree forwards over any chain target (a TargetRunner, HFTarget): each row runs as the
+    path from the root to it, then the cache is rolled back, so every row's logits are what
+    decoding that path one token at a time gives; keep(rows) runs the kept path for real."""
+
+    def __init__(self, target):
+        self.target = target
+        self.pending = None
+        self.tree_forwards = 0
+
+    @property
+    def max_tokens(self) -> int:
+        return self.target.max_tokens
+
+    @property
+    def length(self) -> int:
+        return self.target.length
+
+    def forward(self, ids, positions, num_logits=None, parents=None):
+        if parents is None:
+            return self.target.forward(ids, positions, num_logits)
+        base = self.target.length
+        rows = []
+        for row in range(len(parents)):
+            path = []
+            r = row
+            while r >= 0:
+                path.append(r)
+                r = parents[r]
+            path = path[::-1]
+            rows.append(self.target.forward(ids[path], positions[path])[-1])
+            self.target.truncate(base)
+        self.pending = (ids, positions, base)
+        self.tree_forwards += 1
+        return torch.stack(rows)
+
+    def keep(self, rows: list[int]) -> None:
+        ids, positions, base = self.pending
+        assert self.target.length == base and rows[0] == 0
+        self.target.forward(ids[rows], torch.arange(base, base + len(rows)))
+        self.pending = None
+
+    def truncate(self, length: int) -> None:
+        self.target.truncate(length)

@@ -14,6 +14,8 @@ tokens after that point.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hetero_run.runtime.drafters.model import DraftModel
@@ -33,7 +35,14 @@ class DraftContext:
         self.cached: list[int] = []  # the tokens in the drafter's KV cache, in order
         self.pending = b""  # accepted bytes not in `ids` yet (an unfinished character)
         self._valid = 0  # cached[:_valid] == ids[:_valid] is known
+        self.last_catch_up = (0, 0.0)  # (tokens, seconds) of the latest catch-up forward
         model.truncate(0)
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens of the conversation the drafter's cache does not hold yet (about what the next
+        draft's catch-up runs)."""
+        return max(1, len(self.ids) - self._valid)
 
     @property
     def draft_ready(self) -> bool:
@@ -60,8 +69,10 @@ class DraftContext:
             self.model.truncate(n)
             del self.cached[n:]
         new = self.ids[n:]
+        begin = time.perf_counter()
         with drafter_threads(self.threads):
             logits = self.model.forward(torch.tensor(new, dtype=torch.long), head=head)[-1]
+        self.last_catch_up = (len(new), time.perf_counter() - begin)
         self.cached += new
         self._valid = len(self.cached)
         return logits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hetero_run.runtime.speculative.config import MODEL_FREE
 from hetero_run.runtime.speculative.eagle3 import Eagle3Proposer
 from hetero_run.runtime.speculative.proposer import DraftSession, NoProposer, Proposer
 from hetero_run.runtime.speculative.slem import SlemProposer
@@ -19,7 +20,7 @@ EAGLE3_ALGORITHMS = ("eagle3", "standard", "slem")  # what an EAGLE-3 head (targ
 def check_algorithm(name: str, has_drafter: bool, same_vocab: bool, eagle3: bool = False) -> None:
     """Raise a one-line ConfigError when `name` cannot run with this drafter (`eagle3`: the
     drafter is an EAGLE-3 head)."""
-    if name in ("none", "auto"):
+    if name in ("none", "auto", *MODEL_FREE):
         return
     if not has_drafter:
         raise ConfigError(f"algorithm {name!r} needs a drafter (--drafter PATH)", field="algorithm")
@@ -35,7 +36,8 @@ def check_algorithm(name: str, has_drafter: bool, same_vocab: bool, eagle3: bool
 
 
 def candidates(has_drafter: bool, same_vocab: bool, greedy: bool, eagle3: bool = False) -> list[str]:
-    """What `auto` measures, most promising first; `none` (no speculation) is always last."""
+    """The drafter algorithms a per-algorithm selector (`selector.Selector`) measures, most
+    promising first; `none` (no speculation) is always last."""
     if not has_drafter:
         return ["none"]
     if eagle3:
@@ -43,6 +45,19 @@ def candidates(has_drafter: bool, same_vocab: bool, greedy: bool, eagle3: bool =
     if same_vocab:
         return ["standard", "slem", "none"]
     return (["slem", "tli", "slrs"] if greedy else ["tli", "slem", "slrs"]) + ["none"]
+
+
+def model_algorithm(has_drafter: bool, same_vocab: bool, greedy: bool, eagle3: bool = False) -> str | None:
+    """The drafter algorithm `auto` runs when its cost model picks the drafter: the paper's and
+    transformers' defaults (slem when greedy, tli when sampling) for another vocabulary,
+    standard for the same one, the head's own for EAGLE-3."""
+    if not has_drafter:
+        return None
+    if eagle3:
+        return "eagle3"
+    if same_vocab:
+        return "standard"
+    return "slem" if greedy else "tli"
 
 
 def make_proposer(name: str, session: DraftSession, config) -> Proposer:

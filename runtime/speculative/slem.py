@@ -35,7 +35,7 @@ class SlemProposer(Proposer):
         if special is not None:
             drafts = drafts[: special + 1]  # nothing after an end-of-turn token
         target_ids = self._translate(drafts)
-        limit = self.config.max_target_draft
+        limit = min(self.config.max_target_draft, self.config.max_verify_rows - 1)
         return RoundPlan(torch.tensor(target_ids[:limit], dtype=torch.long), None, start, extras=drafts)
 
     def _translate(self, drafts: list[int]) -> list[int]:

@@ -1,26 +1,36 @@
-"""The verifier: a rejection sampler deciding which draft tokens the target keeps.
+"""The verifier: a rejection sampler walking the round's draft tree (a chain is a tree too).
 
 Vocabulary, used in every speculative module and doc (Leviathan et al. 2023 notation):
 
 - p is the target distribution, q the drafter's (the proposal), both over the target
   vocabulary and both processed by `kernels.sampling.logits_to_probs` (temperature, top-k,
   top-p applied in that one place). Never the other way round.
-- accepted tokens: the leading draft tokens the verifier keeps. Draft token x_i is accepted
-  with probability min(1, p_i(x_i) / q_i(x_i)); greedy runs accept while x_i == argmax p_i.
-- recovered token: the target's own token at the first rejection, drawn from the residual
-  norm(max(0, p_i - q_i)) (argmax p_i when greedy). With it the emitted token follows p_i
-  exactly: P(x) = min(q, p) + (1 - sum min(q, p)) * norm(max(0, p - q)) = p.
-- bonus token: the target's extra token when every draft token was accepted, drawn from
-  p_{k+1} (the residual against q row k, which is zero unless the proposer looked at that
+- accepted tokens: the draft tokens the verifier keeps, one path down the tree from row 0.
+- recovered token: the target's own token where the walk stops, drawn from the residual
+  (argmax p when greedy).
+- bonus token: the target's extra token when the walk reaches a row with no children, drawn
+  from p there (the residual against q row c, which is zero unless the proposer looked at that
   position and proposed nothing).
 
-Exact-match verification (plan.draft_probs is None, SLEM): the target draws its own token
-t'_i from p_i at every position; drafts are accepted while x_i == t'_i and the first
-disagreeing t'_i is the recovered token. Every emitted token is the target's own draw, so
-this is lossless for any draft.
+At each row the walk reaches, the candidates are its children: at most one drawn from q (the
+model drafter's next chain token y, at a row of its chain) and any number of fixed ones
+(prompt lookup, suffix tree, SLEM's re-tokenised draft: tokens chosen before the target ran,
+whatever they depend on). Sampled, the row's target distribution r starts as p and:
 
-The verifier works on tensors and returns one [k + 1] tensor, so the driver reads the result
-with a single host sync per round.
+1. q candidate: accept y with probability min(1, r(y) / q(y)); else r = norm(max(0, r - q)).
+2. fixed candidates: draw t from r; if a child holds t, accept it, else t is the recovered token.
+
+Step 1 outputs exactly r (P(x) = min(q, r) + (1 - sum min(q, r)) * norm(max(0, r - q)) = r);
+step 2 outputs exactly r for any set of fixed tokens (the draw is the target's own). Each step
+keeps the row's output distribution equal to p, so every emitted token follows p given the
+path before it, which is the target alone's distribution: recursive rejection sampling
+(SpecInfer, Miao et al. 2024) with fixed candidates as point-mass proposals. What must not
+happen is choosing whether the q candidate is used from its own value or from anything the
+drafter drew after it; rounds never do (the drafter's chain is always verified whole).
+Greedy runs follow argmax p down the tree: the longest path the target alone would decode.
+
+Host reads: greedy reads every row's argmax at once; sampled reads one decision per row the
+walk reaches (the draws happen lazily there, so rows the walk never reaches cost nothing).
 """
 
 from __future__ import annotations
@@ -28,9 +38,7 @@ from __future__ import annotations
 import torch
 
 from hetero_run.kernels.sampling import SamplingParams, logits_to_probs
-from hetero_run.runtime.speculative.round import RoundPlan
-
-PLACEHOLDER = -1  # fills the output after the last emitted token
+from hetero_run.runtime.speculative.round import RoundPlan, Verdict
 
 
 class RejectionSampler:
@@ -40,38 +48,63 @@ class RejectionSampler:
         if not sampling.greedy and generator is None:
             raise ValueError("sampled verification needs a generator")
 
-    def __call__(self, plan: RoundPlan, target_logits: torch.Tensor) -> torch.Tensor:
-        """target_logits [k + 1, vocab] -> emitted [k + 1]: accepted tokens, then the recovered
-        or bonus token, then PLACEHOLDER."""
-        draft = plan.draft_target_ids.to(target_logits.device)  # [k]
+    def __call__(self, plan: RoundPlan, target_logits: torch.Tensor) -> Verdict:
+        """target_logits [n + 1, vocab] (one row per tree row) -> the round's Verdict."""
+        tokens = [-1] + plan.draft_target_ids.tolist()
+        children: list[dict[int, int]] = [{} for _ in tokens]
+        for row, parent in enumerate(plan.parent_rows()):
+            if parent >= 0:
+                children[parent].setdefault(tokens[row], row)
         if self.sampling.greedy:
-            target_tokens = target_logits.argmax(-1)  # [k + 1]
-            return self._emit_matching(draft, target_tokens)
-        p = logits_to_probs(target_logits, self.sampling)  # [k + 1, vocab]
-        if plan.draft_probs is None:
-            return self._emit_matching(draft, self._draw(p))
-        return self._emit_rejection(draft, p, plan.draft_probs.to(p.device))
+            return self._walk_greedy(target_logits.argmax(-1).tolist(), children, plan.k)
+        return self._walk_sampled(plan, target_logits, tokens, children)
 
-    def _emit_matching(self, draft: torch.Tensor, target_tokens: torch.Tensor) -> torch.Tensor:
-        k = draft.numel()
-        agree = (draft == target_tokens[:k]).long()  # [k]
-        accepted = agree.cumprod(0).sum()  # leading agreements, 0-d tensor
-        return self._assemble(draft, accepted, target_tokens[accepted])
+    @staticmethod
+    def _walk_greedy(choice: list[int], children: list[dict[int, int]], drafted: int) -> Verdict:
+        row, out, rows = 0, [], [0]
+        while True:
+            token = choice[row]
+            out.append(token)
+            row = children[row].get(token, -1)
+            if row < 0:
+                return Verdict(out, rows, drafted)
+            rows.append(row)
 
-    def _emit_rejection(self, draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-        k = draft.numel()
-        rows = torch.arange(k, device=p.device)
-        p_draft, q_draft = p[rows, draft], q[rows, draft]  # [k]
-        uniform = torch.rand(k, generator=self.generator, device=p.device)
-        keep = self._accept(uniform, p_draft, q_draft).long()  # [k]
-        accepted = keep.cumprod(0).sum()
-        residual = self._residual(p[accepted], q[accepted])  # [vocab]
-        token = torch.multinomial(residual, 1, generator=self.generator)[0]
-        return self._assemble(draft, accepted, token)
+    def _walk_sampled(self, plan: RoundPlan, target_logits: torch.Tensor, tokens: list[int],
+                      children: list[dict[int, int]]) -> Verdict:
+        q_node = {}
+        if plan.draft_probs is not None:
+            chain = plan.chain_rows()
+            if len(chain) != plan.draft_probs.shape[0]:
+                raise ValueError("sampled rounds verify the drafter's whole chain: every q row needs its node")
+            q_node = {row: j for j, row in enumerate(chain)}
+        row, out, rows = 0, [], [0]
+        while True:
+            p = logits_to_probs(target_logits[row:row + 1], self.sampling)[0]  # [vocab]
+            j = q_node.get(row)
+            if j is not None:
+                q = plan.draft_probs[j].to(p.device)  # [vocab]
+                if j + 1 < len(q_node):
+                    y_row = plan.chain_rows()[j + 1]
+                    y = tokens[y_row]
+                    uniform = torch.rand((), generator=self.generator, device=p.device)
+                    if bool(self._accept(uniform, p[y], q[y])):
+                        out.append(y)
+                        rows.append(y_row)
+                        row = y_row
+                        continue
+                p = self._residual(p, q)
+            token = self._choose(p, children[row])
+            out.append(token)
+            nxt = children[row].get(token, -1)
+            if nxt < 0:
+                return Verdict(out, rows, plan.k)
+            rows.append(nxt)
+            row = nxt
 
     @staticmethod
     def _accept(uniform: torch.Tensor, p_draft: torch.Tensor, q_draft: torch.Tensor) -> torch.Tensor:
-        """Accept x_i with probability min(1, p/q): u < p/q, written without the division."""
+        """Accept y with probability min(1, p/q): u < p/q, written without the division."""
         return uniform * q_draft < p_draft
 
     @staticmethod
@@ -82,18 +115,11 @@ class RejectionSampler:
         total = residual.sum()
         return torch.where(total > 0, residual / total.clamp_min(1e-30), p_row)
 
-    def _draw(self, p: torch.Tensor) -> torch.Tensor:
-        return torch.multinomial(p, 1, generator=self.generator).squeeze(-1)
-
-    @staticmethod
-    def _assemble(draft: torch.Tensor, accepted: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
-        k = draft.numel()
-        slots = torch.arange(k + 1, device=draft.device)
-        padded = torch.cat([draft, draft.new_full((1,), PLACEHOLDER)])
-        out = torch.where(slots < accepted, padded, torch.full_like(padded, PLACEHOLDER))
-        return torch.where(slots == accepted, token.to(out.dtype), out)
+    def _choose(self, r: torch.Tensor, children: dict[int, int]) -> int:
+        """The target's own token from r; the walk moves on when a fixed candidate holds it."""
+        return int(torch.multinomial(r, 1, generator=self.generator)[0])
 
 
-def read_emitted(emitted: torch.Tensor) -> list[int]:
-    """The round's one host sync: emitted [k + 1] -> the token ids, placeholders dropped."""
-    return [t for t in emitted.tolist() if t != PLACEHOLDER]
+def read_emitted(verdict: Verdict) -> list[int]:
+    """The emitted token ids of a round (accepted tokens, then the recovered or bonus token)."""
+    return verdict.token_ids

@@ -76,6 +76,16 @@ def test_auto_with_a_same_vocabulary_drafter_prints_text_and_the_comparison(run_
     assert "auto" in out.stdout and "Traceback" not in out.output
 
 
+@pytest.mark.parametrize("algorithm", ["ngram", "suffix", "auto"])
+def test_model_free_algorithms_need_no_drafter(run_cli, pair, references, prompts_file, algorithm):
+    out = run_cli("generate", "--target", pair[0], "--algorithm", algorithm, "--prompts-file", prompts_file, *COMMON)
+    assert out.returncode == 0, out.output
+    results = _json_lines(out.stdout)
+    for r in results:
+        assert r["token_ids"] == references[r["prompt"]] and r["identical"] is True and r["algorithm"] == algorithm
+        assert set(r["rounds_by_algorithm"]) <= {"none", "ngram", "suffix", "ngram+suffix"}
+
+
 def test_sampled_speculative_output_is_seeded(run_cli, pair):
     runs = [_json_lines(run_cli("generate", "--target", pair[0], "--drafter", pair[1], "--algorithm", "tli",
                                 "--prompt", PROMPTS[1], "--max-new-tokens", "16", "--temperature", "0.8",
@@ -89,6 +99,11 @@ def test_sampled_speculative_output_is_seeded(run_cli, pair):
     (("--drafter", "/nonexistent/drafter"), "no such drafter directory or GGUF file"),
     (("--drafter", "DRAFTER", "--draft-len", "0"), "--draft-len"),
     (("--drafter", "DRAFTER", "--algorithm", "standard"), "needs a drafter with the target's vocabulary"),
+    (("--algorithm", "ngram", "--prompt-lookup-min", "0"), "--prompt-lookup-min: must be >= 1"),
+    (("--algorithm", "ngram", "--prompt-lookup-max", "1"), "--prompt-lookup-max: must be >= prompt_lookup_min"),
+    (("--algorithm", "suffix", "--suffix-min-prob", "1.5"), "--suffix-min-prob"),
+    (("--drafter", "DRAFTER", "--hybrid"), "--hybrid: hybrid rounds need a drafter algorithm"),
+    (("--algorithm", "auto", "--model-free", "lookahead"), "--model-free: unknown model-free proposer"),
 ])
 def test_bad_speculation_flags_are_one_line_errors(run_cli, pair, flags, message):
     flags = [str(pair[1]) if f == "DRAFTER" else f for f in flags]

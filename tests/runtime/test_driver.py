@@ -38,12 +38,14 @@ def drafter_model(name: str):
     return support.trained_model(tokenizer, "llama", seed=1), tokenizer
 
 
-def engine(algorithm: str, drafter: str | None, **config) -> SpeculativeEngine:
+def engine(algorithm: str, drafter: str | None, trees: bool = False, **config) -> SpeculativeEngine:
     draft = None
     if drafter is not None:
         model, tokenizer = drafter_model(drafter)
         draft = Drafter(HFDraftModel(model), tokenizer, drafter)
     runner = TargetRunner(load_model(target_model(), max_tokens=512, dtype=torch.float32))
+    if trees:
+        runner = support.TreeRunner(runner)
     return SpeculativeEngine(runner, support.byte_level(), draft, SpeculationConfig(algorithm=algorithm, **config))
 
 
@@ -66,6 +68,29 @@ def test_greedy_output_is_the_target_alones(algorithm, drafter):
         accepted += result.accepted
     if algorithm not in ("none", "auto"):
         assert accepted > 0, "drafts must be accepted for the comparison to mean something"
+
+
+MODEL_FREE_CASES = [("ngram", None, False, {}), ("suffix", None, False, {}), ("suffix", None, True, {}),
+                    ("auto", None, True, {}), ("slem", "sentencepiece", True, {"hybrid": True}),
+                    ("tli", "sentencepiece", False, {"hybrid": True}), ("auto", "sentencepiece", True, {}),
+                    ("standard", "same", True, {"hybrid": True})]
+
+
+@pytest.mark.parametrize("algorithm, drafter, trees, options", MODEL_FREE_CASES)
+def test_model_free_and_hybrid_rounds_are_the_target_alones(algorithm, drafter, trees, options):
+    eng = engine(algorithm, drafter, trees, **options)
+    accepted, labels = 0, set()
+    for prompt in PROMPTS + [PROMPTS[0]]:  # the repeat finds the first generation in the suffix cache
+        result = eng.generate(prompt, max_new_tokens=40, stop_ids=set())
+        assert result.token_ids == reference(prompt), (algorithm, drafter, trees, prompt)
+        accepted += result.accepted
+        labels |= set(result.algorithms)
+    assert accepted > 0, labels
+    assert eng.trees == trees
+    if trees and options.get("hybrid"):
+        assert eng.target.tree_forwards > 0, "the rounds must have verified trees"
+    if options.get("hybrid"):
+        assert any("+" in label for label in labels), labels
 
 
 @pytest.mark.parametrize("draft_len", [1, 7])
@@ -121,28 +146,24 @@ def test_result_figures_add_up():
     assert {"acceptance_rate", "tokens_per_round", "rounds", "token_ids", "text", "seconds"} <= set(data)
 
 
-def test_auto_measures_every_candidate_and_logs_its_choice(caplog):
-    caplog.set_level(logging.INFO, logger="hetero_run")
-    eng = engine("auto", "sentencepiece", auto_probe_rounds=2, auto_reprobe_every=6)
+def test_auto_logs_every_round_decision(caplog):
+    caplog.set_level(logging.DEBUG, logger="hetero_run.runtime.speculative")
+    eng = engine("auto", "sentencepiece", auto_explore_every=4)
     result = eng.generate(PROMPTS[0], max_new_tokens=40, stop_ids=set())
     assert result.token_ids == reference(PROMPTS[0])
-    assert {"slem", "tli", "slrs", "none"} <= set(result.algorithms)
-    decisions = [r.message for r in caplog.records if r.message.startswith("auto: measured")]
-    assert decisions and all("tok/s" in d and "->" in d for d in decisions)
-    assert any(r.message.startswith("auto: re-measuring") for r in caplog.records)
+    decisions = [r.message for r in caplog.records if r.message.startswith("round ")]
+    assert len(decisions) == result.rounds and all("->" in d and "tok/s" in d for d in decisions)
 
 
-def test_auto_keeps_its_measurements_from_prompt_to_prompt(caplog):
-    caplog.set_level(logging.INFO, logger="hetero_run")
-    eng = engine("auto", "sentencepiece", auto_probe_rounds=2, auto_reprobe_every=1000)
-    first = eng.generate(PROMPTS[0], max_new_tokens=40, stop_ids=set())
-    decisions = [r.message for r in caplog.records if r.message.startswith("auto: measured")]
-    assert len(decisions) == 1 and {"slem", "tli", "slrs", "none"} <= set(first.algorithms)
-    choice = decisions[0].rsplit("-> ", 1)[1]
+def test_auto_keeps_its_measurements_from_prompt_to_prompt():
+    eng = engine("auto", "sentencepiece")
+    eng.generate(PROMPTS[0], max_new_tokens=40, stop_ids=set())
+    cost, _ = eng.measured[True]
+    rounds, measured = cost.rounds, dict(cost.verify.by_rows)
     second = eng.generate(PROMPTS[1], max_new_tokens=40, stop_ids=set())
-    assert set(second.algorithms) == {choice}, "the second prompt runs the choice without measuring again"
+    assert eng.measured[True][0] is cost and cost.rounds == rounds + second.rounds
+    assert measured and set(measured) <= set(cost.verify.by_rows)
     assert second.token_ids == reference(PROMPTS[1])
-    assert sum(r.message.startswith("auto: measuring") for r in caplog.records) == 1
 
 
 @pytest.mark.parametrize("algorithm, drafter, message", [

@@ -1,4 +1,5 @@
-"""The real CPU pair (slow): every algorithm, greedy, token-identical to the target alone.
+"""The real CPU pair (slow): every algorithm (prompt lookup, suffix trees and hybrids included),
+greedy, token-identical to the target alone.
 
 Target Qwen2.5-Coder-0.5B-Instruct through the runtime's model code (TargetRunner, TP=1) in
 float32, in bf16 and as the NVFP4 checkpoint `fetch` converts: token identity needs logits that
@@ -86,3 +87,14 @@ def test_gemma_drafting_for_qwen_is_lossless(algorithm):
     for prompt in PROMPTS:
         result = engine.generate(prompt, NEW_TOKENS, chat=True)
         assert result.token_ids == reference(prompt, "bf16"), (algorithm, prompt)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+@pytest.mark.parametrize("algorithm, hybrid", [("ngram", False), ("suffix", False), ("slem", True)])
+def test_model_free_and_hybrid_rounds_on_the_real_pair_are_lossless(algorithm, hybrid, kind):
+    runner, tokenizer = target(kind)
+    engine = SpeculativeEngine(runner, tokenizer, drafter(SMOL) if hybrid else None,
+                               SpeculationConfig(algorithm=algorithm, hybrid=hybrid))
+    for prompt in PROMPTS + PROMPTS[:1]:  # the repeat meets its first generation in the suffix cache
+        result = engine.generate(prompt, NEW_TOKENS, chat=True)
+        assert result.token_ids == reference(prompt, kind), (algorithm, kind, prompt)

@@ -97,12 +97,15 @@ def test_head_cache_is_rerun_with_target_states_after_acceptance():
 
 @pytest.mark.parametrize("algorithm", ["auto", "standard", "slem"])
 def test_other_chain_algorithms_and_auto_use_the_head_losslessly(algorithm):
-    engine, _ = setup("qwen3_moe", "modelopt", "aligned", algorithm=algorithm, auto_probe_rounds=2,
-                      auto_reprobe_every=4)
+    engine, _ = setup("qwen3_moe", "modelopt", "aligned", algorithm=algorithm)
+    if algorithm == "auto":  # the head drafts every other round: rounds without drafting keep the log in step
+        engine.config = SpeculationConfig(algorithm="auto", auto_explore_every=2)
+        cost, _ = engine.measurements(True)
+        cost.elapsed = 1e3  # as if long measured: re-measuring the head is always within budget
     result = engine.generate(PROMPTS[0], NEW, stop_ids=set())
     assert result.token_ids == reference("qwen3_moe", PROMPTS[0])
     if algorithm == "auto":
-        assert {"eagle3", "none"} <= set(result.algorithms)  # rounds without drafting keep the log in step
+        assert "eagle3" in set(result.algorithms) and len(set(result.algorithms)) > 1, result.algorithms
 
 
 def test_algorithm_checks_are_one_line_errors():

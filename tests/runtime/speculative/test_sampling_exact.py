@@ -165,3 +165,94 @@ def test_slrs_with_psi_missing_its_stay_factor_fails_the_same_test(monkeypatch):
     engine, forced, expected = build("slrs", "sentencepiece")
     counts, _ = sample_pairs(engine, forced, BROKEN_RUNS)
     assert chi_square_p_value(counts, expected, BROKEN_RUNS) < 1e-6
+
+
+class Recording(RejectionSampler):
+    """The real verifier, noting the widest row of every tree it walks."""
+
+    widest: list[int] = []
+
+    def __call__(self, plan, target_logits):
+        parents = plan.parent_rows()
+        Recording.widest.append(max([parents[1:].count(r) for r in range(len(parents))], default=0))
+        return super().__call__(plan, target_logits)
+
+
+class BranchesIndependently(Recording):
+    """The usual multi-candidate mistake: each fixed child is tried with probability r(child),
+    independently, in order; when none is taken the recovered token is drawn from r as it was."""
+
+    def _choose(self, r, children):
+        for token in children:
+            if float(torch.rand((), generator=self.generator)) < float(r[token]):
+                return token
+        return int(torch.multinomial(r, 1, generator=self.generator)[0])
+
+
+class FrozenSuffixCache:
+    """Earlier generations that several continuations of the prompt's end went through, kept
+    as they are (generations of the test itself are not added)."""
+
+    def __new__(cls, generations):
+        from hetero_run.runtime.speculative.suffix import SuffixCache
+
+        cache = SuffixCache(max_generations=len(generations))
+        for tokens in generations:
+            cache.add(tokens)
+        cache.add = lambda tokens: None
+        return cache
+
+
+def build_tree(algorithm: str, drafter_tokenizer: str | None, sampling: SamplingParams = PLAIN):
+    """As `build`, on a target that verifies trees, with a suffix cache whose continuations of
+    the prompt's last token and the forced token branch three ways, then two."""
+    target_tok = support.byte_level()
+    target, allowed = support.restricted_pair_lm(target_tok, ALPHABET, seed=11, cls=support.TreePairTarget)
+    prompt_ids = target_tok(PROMPT)["input_ids"]
+    tokens = allowed.nonzero().flatten().tolist()
+    forced = tokens[3]
+    target.a[prompt_ids[-1]] = float("-inf")
+    target.a[prompt_ids[-1], forced] = 0.0
+    p2 = logits_to_probs((target.a[forced] + target.b[prompt_ids[-1]])[None], sampling)[0]
+    likely = p2.argsort(descending=True).tolist()
+    expected = {}
+    for t2 in p2.nonzero().flatten().tolist():
+        p3 = logits_to_probs((target.a[t2] + target.b[forced])[None], sampling)[0]
+        for t3 in p3.nonzero().flatten().tolist():
+            expected[(t2, t3)] = float(p2[t2] * p3[t3])
+    history = [[prompt_ids[-1], forced, likely[i % 3], likely[(i + 1) % 4]] for i in range(6)]
+    drafter = None
+    if drafter_tokenizer is not None:
+        tokenizer = target_tok if drafter_tokenizer == "same" else support.TOKENIZERS[drafter_tokenizer]()
+        model, _ = support.restricted_pair_lm(tokenizer, ALPHABET, seed=5, cls=support.PairDrafter)
+        imitate(model, target, tokenizer, target_tok)
+        drafter = Drafter(model, tokenizer, "pair-drafter")
+    config = SpeculationConfig(algorithm=algorithm, draft_len=2, adaptive=False, hybrid=drafter is not None,
+                               modelfree=("suffix",), suffix_spec_factor=4.0, suffix_min_prob=0.05)
+    engine = SpeculativeEngine(target, target_tok, drafter, config, suffix_cache=FrozenSuffixCache(history))
+    assert engine.trees
+    return engine, forced, expected
+
+
+TREE_CASES = [("suffix", None), ("tli", "sentencepiece"), ("standard", "same")]
+
+
+@pytest.mark.parametrize("algorithm, drafter_tokenizer", TREE_CASES)
+def test_sampled_trees_with_several_branches_follow_the_target_distribution(monkeypatch, algorithm,
+                                                                           drafter_tokenizer):
+    monkeypatch.setattr(driver, "RejectionSampler", Recording)
+    Recording.widest = []
+    engine, forced, expected = build_tree(algorithm, drafter_tokenizer)
+    counts, acceptance = sample_pairs(engine, forced, RUNS)
+    assert max(Recording.widest) >= 3, "the trees must branch for the test to mean something"
+    assert acceptance > 0.05  # accepted per verified row: a tree verifies several rows per depth
+    assert chi_square_p_value(counts, expected, RUNS) > 1e-3
+
+
+@pytest.mark.parametrize("algorithm, drafter_tokenizer", TREE_CASES[:2])
+def test_a_tree_verifier_taking_branches_independently_fails_the_same_test(monkeypatch, algorithm,
+                                                                           drafter_tokenizer):
+    monkeypatch.setattr(driver, "RejectionSampler", BranchesIndependently)
+    engine, forced, expected = build_tree(algorithm, drafter_tokenizer)
+    counts, _ = sample_pairs(engine, forced, RUNS)
+    assert chi_square_p_value(counts, expected, RUNS) < 1e-6

@@ -9,10 +9,14 @@ import torch
 
 from hetero_run.kernels.sampling import SamplingParams
 from hetero_run.runtime.speculative.round import RoundPlan
-from hetero_run.runtime.speculative.verifier import PLACEHOLDER, RejectionSampler, read_emitted
+from hetero_run.runtime.speculative.verifier import RejectionSampler
 
 GREEDY = SamplingParams()
 SAMPLED = SamplingParams(temperature=1.0)
+
+
+def read_emitted(verdict) -> list[int]:
+    return verdict.token_ids
 
 
 def plan(draft: list[int], q: torch.Tensor | None = None) -> RoundPlan:
@@ -26,14 +30,13 @@ def one_hot_logits(tokens: list[int], vocab: int = 6) -> torch.Tensor:
 
 
 def test_greedy_perfect_match_accepts_all_and_adds_the_bonus_token():
-    emitted = RejectionSampler(GREEDY, None)(plan([1, 2, 3]), one_hot_logits([1, 2, 3, 4]))
-    assert emitted.tolist() == [1, 2, 3, 4]
+    verdict = RejectionSampler(GREEDY, None)(plan([1, 2, 3]), one_hot_logits([1, 2, 3, 4]))
+    assert verdict.token_ids == [1, 2, 3, 4] and verdict.rows == [0, 1, 2, 3] and verdict.accepted == 3
 
 
 def test_greedy_early_mismatch_emits_the_recovered_token():
-    emitted = RejectionSampler(GREEDY, None)(plan([1, 5, 3]), one_hot_logits([1, 2, 3, 4]))
-    assert emitted.tolist() == [1, 2, PLACEHOLDER, PLACEHOLDER]
-    assert read_emitted(emitted) == [1, 2]
+    verdict = RejectionSampler(GREEDY, None)(plan([1, 5, 3]), one_hot_logits([1, 2, 3, 4]))
+    assert verdict.token_ids == [1, 2] and verdict.rows == [0, 1]
 
 
 def test_greedy_first_token_mismatch_and_empty_draft():

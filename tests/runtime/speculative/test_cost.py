@@ -1,0 +1,78 @@
+"""The cost model: measured verify costs by row count, calibrated acceptance, and the round it
+chooses (none, model-free, the drafter, the hybrid) from them."""
+
+from __future__ import annotations
+
+import pytest
+
+from hetero_run.runtime.speculative.config import SpeculationConfig
+from hetero_run.runtime.speculative.cost import CostModel, VerifyCost
+from hetero_run.runtime.speculative.tree import MODEL, NGRAM
+
+CONFIG = SpeculationConfig(auto_explore_every=1000)
+
+
+def measured(step: float = 0.024, per_row: float = 0.004, draft_unit: float = 0.008) -> CostModel:
+    cost = CostModel(CONFIG)
+    for n in (1, 2, 4, 8, 16):
+        for _ in range(5):
+            cost.record_verify(n, step + per_row * (n - 1), tree=False)
+    for k in (2, 4):
+        for _ in range(5):
+            cost.record_draft(k, draft_unit * k, 0, 0.0, k)
+    return cost
+
+
+def test_verify_cost_interpolates_and_extends_the_measured_rows():
+    v = VerifyCost()
+    v.record(1, 1.0)
+    v.record(5, 2.0)
+    assert v(3) == pytest.approx(1.5)
+    assert v(9) == pytest.approx(3.0)  # along the fitted line
+    assert VerifyCost()(4) > VerifyCost()(1) > 0  # before any measurement: the starting assumption
+
+
+def test_no_candidates_and_a_poor_drafter_choose_the_target_alone():
+    cost = measured(draft_unit=0.012)
+    for _ in range(20):
+        cost.acceptance.record([[], [(MODEL, 0)]], [-1, 0], [0])  # the drafter's rows are rejected
+    choice = cost.choose([], model=True, tree=True)
+    assert (choice.k, choice.m) == (0, 0)
+
+
+def test_likely_model_free_candidates_are_verified_and_sized_by_cost():
+    cost = measured()
+    chain = [(d, 0.9 ** d) for d in range(1, 13)]
+    choice = cost.choose(chain, model=False, tree=True)
+    assert choice.k == 0 and 4 <= choice.m <= 12
+    expensive = measured(per_row=0.02)
+    assert expensive.choose(chain, model=False, tree=True).m < choice.m
+
+
+def test_a_cheap_accurate_drafter_is_chosen_with_a_long_draft():
+    cost = measured(draft_unit=0.0005)
+    for _ in range(30):
+        cost.acceptance.record([[], [(MODEL, 0)], [(MODEL, 0)]], [-1, 0, 1], [0, 1, 2])
+    choice = cost.choose([], model=True, tree=True)
+    assert choice.k >= 6
+
+
+def test_calibrated_acceptance_replaces_the_prior():
+    cost = CostModel(CONFIG)
+    assert cost.acceptance.prob(NGRAM, 3) == pytest.approx(0.6)
+    for _ in range(40):
+        cost.acceptance.record([[], [(NGRAM, 3)]], [-1, 0], [0])
+    assert cost.acceptance.prob(NGRAM, 3) < 0.05
+
+
+def test_the_drafter_is_re_measured_every_explore_rounds():
+    cost = measured(draft_unit=0.02)
+    for _ in range(20):
+        cost.acceptance.record([[], [(MODEL, 0)]], [-1, 0], [0])
+    explorer = CostModel(SpeculationConfig(auto_explore_every=5))
+    explorer.__dict__.update({k: v for k, v in cost.__dict__.items() if k != "config"})
+    explorer.elapsed = 0.0
+    assert not any(explorer.choose([], model=True, tree=True).k for _ in range(20)), "no time spent: no budget"
+    explorer.elapsed = 100.0  # seconds measured: 2% of them may go to re-measuring
+    picks = [explorer.choose([], model=True, tree=True).k for _ in range(20)]
+    assert picks.count(0) >= 15 and any(picks)

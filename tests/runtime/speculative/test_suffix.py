@@ -1,0 +1,85 @@
+"""Suffix decoding: the shared, bounded, thread-confined cache of earlier generations and each
+request's own state; the speculation tree's counts, floor, depth cap and size cap."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hetero_run.runtime.speculative.suffix import SuffixCache, SuffixState, speculation_tree
+
+
+def test_the_docstring_example_counts_continuations():
+    x, y, z, a, b = 1, 2, 3, 4, 5
+    history = [x, y, z, a, 9, x, y, z, a, 9, x, y, z, b]
+    tree = speculation_tree([(history, 2), (history, 7), (history, 12)], max_nodes=8, max_depth=4, min_prob=0.0)
+    nodes = dict(zip(zip(tree.parents, tree.tokens, strict=True), tree.probs, strict=True))
+    assert nodes[(-1, z)] == 1.0
+    root = tree.tokens.index(z)
+    assert abs(nodes[(root, a)] - 2 / 3) < 1e-9 and abs(nodes[(root, b)] - 1 / 3) < 1e-9
+    assert tree.buckets[tree.tokens.index(b)] == 3
+
+
+def test_probability_floor_depth_cap_and_size_cap():
+    history = [1, 2, 3, 4, 5, 6, 1, 2, 3, 7, 8, 9, 1, 2, 3, 4, 5, 6, 1, 2, 3, 4, 5, 6]
+    occ = [(history, p) for p in (2, 8, 14, 20)]
+    floor = speculation_tree(occ, max_nodes=10, max_depth=10, min_prob=0.3)
+    assert 7 not in floor.tokens  # 1/4 of the continuations: under the floor
+    deep = speculation_tree(occ, max_nodes=10, max_depth=2, min_prob=0.0)
+    depth = [0] * len(deep)
+    for i, p in enumerate(deep.parents):
+        depth[i] = 1 if p < 0 else depth[p] + 1
+    assert max(depth) == 2
+    assert len(speculation_tree(occ, max_nodes=3, max_depth=10, min_prob=0.0)) == 3
+
+
+def test_a_request_finds_its_own_repeats_and_earlier_generations():
+    cache = SuffixCache(max_generations=4)
+    first = SuffixState(cache, [100, 101], spec_factor=4.0)
+    first.extend([1, 2, 3, 4, 5])
+    first.finish()
+    first.finish()
+    assert len(cache.generations) == 1  # once
+    second = SuffixState(cache, [200, 1, 2], spec_factor=4.0)
+    found = second.propose(4)
+    assert found.tokens == [3, 4, 5] and second.last_match == 2
+    second.extend([3, 9, 9, 1, 2])
+    assert second.propose(4).tokens[0] in (3, 9)  # its own text and the cache both know "1 2"
+
+
+def test_the_spec_factor_bounds_the_tree_by_the_match_length():
+    state = SuffixState(None, [1, 2, 3, 4, 5, 6, 7, 8, 1, 2], spec_factor=1.0)
+    assert state.propose(8).tokens == [3, 4]  # match of 2 tokens: at most 2 nodes
+
+
+def test_the_cache_is_bounded_and_evicts_the_oldest():
+    cache = SuffixCache(max_generations=2, max_tokens=5)
+    for g in range(5):
+        cache.add([g, g + 1, g + 2, g + 3, g + 4, g + 5, g + 6])
+    assert list(cache.generations) == [3, 4] and cache.tokens == 10
+    assert cache.matches([3, 4], limit=8, scan=8) == [(cache.generations[3], 2, 2)]
+    for g in range(5, 3000):
+        cache.add([g % 7, g % 11, g % 13])
+    assert cache.entries <= 2 * max(cache.live, 1024)  # evicted entries are compacted away
+
+
+def test_the_cache_belongs_to_its_thread():
+    cache = SuffixCache()
+    errors = []
+
+    def other():
+        try:
+            cache.add([1, 2, 3])
+        except RuntimeError as e:
+            errors.append(str(e))
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    assert errors and "thread" in errors[0]
+
+
+def test_bad_bounds_are_refused():
+    with pytest.raises(ValueError):
+        SuffixCache(max_generations=-1)

@@ -1,0 +1,51 @@
+"""Draft trees: merging proposers' candidates as a trie, reach estimates, chains out of trees."""
+
+from __future__ import annotations
+
+from hetero_run.runtime.speculative.tree import MODEL, NGRAM, SUFFIX, Candidates, DraftTree
+
+
+def chain(source: int, tokens: list[int], prob: float = 0.5) -> Candidates:
+    out, parent = Candidates(source), -1
+    for t in tokens:
+        parent = out.add(t, parent, prob)
+    return out
+
+
+def test_the_docstring_example_merges_agreeing_paths():
+    tree = DraftTree()
+    tree.add_model_chain([10, 11, 12], 0.5)  # a b c
+    tree.add_candidates(chain(NGRAM, [10, 11, 13]))  # a b d
+    tree.add_candidates(chain(SUFFIX, [14]))  # e
+    assert tree.tokens[1:] == [10, 11, 12, 13, 14]
+    assert tree.parents == [-1, 0, 1, 2, 2, 0]
+    assert tree.depth == [0, 1, 2, 3, 3, 1]
+    assert tree.model_rows == [0, 1, 2, 3]
+    assert tree.sources[1] == MODEL | NGRAM and tree.sources[3] == MODEL and tree.sources[5] == SUFFIX
+    assert tree.reach[1] == 1 - 0.5 * 0.5  # two proposers agreeing: either being right is enough
+    assert not tree.is_chain
+
+
+def test_best_chain_follows_the_most_expected_tokens():
+    tree = DraftTree()
+    tree.add_candidates(chain(NGRAM, [1, 2, 3], 0.9))
+    tree.add_candidates(chain(SUFFIX, [4, 5], 0.95))
+    assert [tree.tokens[r] for r in tree.best_chain()] == [1, 2, 3]  # .9 + .81 + .73 > .95 + .90
+    small = tree.restricted(tree.best_chain())
+    assert small.is_chain and small.tokens[1:] == [1, 2, 3]
+
+
+def test_restricted_and_graft_keep_parents_and_cells():
+    tree = DraftTree()
+    tree.add_model_chain([1, 2], 0.7)
+    found = Candidates(SUFFIX)
+    root = found.add(5, -1, 0.6, bucket=6)
+    found.add(6, root, 0.5, bucket=5)
+    other = DraftTree()
+    other.add_candidates(found)
+    tree.graft(other, [1, 2])
+    assert tree.tokens[1:] == [1, 2, 5, 6] and tree.parents == [-1, 0, 1, 0, 3]
+    assert tree.cells[3] == [(SUFFIX, 6)] and tree.cells[4] == [(SUFFIX, 5)]
+    assert abs(tree.reach[4] - 0.3) < 1e-9
+    cut = tree.restricted([1, 3, 4])
+    assert cut.tokens[1:] == [1, 5, 6] and cut.parents == [-1, 0, 0, 2] and cut.model_rows == [0, 1]
