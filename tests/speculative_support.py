@@ -305,14 +305,11 @@ class TreePairTarget(PairLM):
         self.pending = None
 
 
-class TreeRunner:
-    """Tree forwards over any chain target (a TargetRunner, HFTarget): each row runs as the
-    path from the root to it, then the cache is rolled back, so every row's logits are what
-    decoding that path one token at a time gives; keep(rows) runs the kept path for real."""
+class TreeCounter:
+    """The real runner (trees verified by its own paged attention), counting tree forwards."""
 
     def __init__(self, target):
         self.target = target
-        self.pending = None
         self.tree_forwards = 0
 
     @property
@@ -324,28 +321,32 @@ class TreeRunner:
         return self.target.length
 
     def forward(self, ids, positions, num_logits=None, parents=None):
-        if parents is None:
-            return self.target.forward(ids, positions, num_logits)
-        base = self.target.length
-        rows = []
-        for row in range(len(parents)):
-            path = []
-            r = row
-            while r >= 0:
-                path.append(r)
-                r = parents[r]
-            path = path[::-1]
-            rows.append(self.target.forward(ids[path], positions[path])[-1])
-            self.target.truncate(base)
-        self.pending = (ids, positions, base)
-        self.tree_forwards += 1
-        return torch.stack(rows)
+        self.tree_forwards += parents is not None
+        return self.target.forward(ids, positions, num_logits, parents)
 
     def keep(self, rows: list[int]) -> None:
-        ids, positions, base = self.pending
-        assert self.target.length == base and rows[0] == 0
-        self.target.forward(ids[rows], torch.arange(base, base + len(rows)))
-        self.pending = None
+        self.target.keep(rows)
+
+    def truncate(self, length: int) -> None:
+        self.target.truncate(length)
+
+
+class ChainsOnly:
+    """A target that verifies chains only (no `parents`, no `keep`): tree rounds fall back to chains."""
+
+    def __init__(self, target):
+        self.target = target
+
+    @property
+    def max_tokens(self) -> int:
+        return self.target.max_tokens
+
+    @property
+    def length(self) -> int:
+        return self.target.length
+
+    def forward(self, ids, positions, num_logits=None):
+        return self.target.forward(ids, positions, num_logits)
 
     def truncate(self, length: int) -> None:
         self.target.truncate(length)

@@ -44,8 +44,7 @@ def engine(algorithm: str, drafter: str | None, trees: bool = False, **config) -
         model, tokenizer = drafter_model(drafter)
         draft = Drafter(HFDraftModel(model), tokenizer, drafter)
     runner = TargetRunner(load_model(target_model(), max_tokens=512, dtype=torch.float32))
-    if trees:
-        runner = support.TreeRunner(runner)
+    runner = support.TreeCounter(runner) if trees else support.ChainsOnly(runner)
     return SpeculativeEngine(runner, support.byte_level(), draft, SpeculationConfig(algorithm=algorithm, **config))
 
 
