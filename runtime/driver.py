@@ -88,11 +88,13 @@ class SpeculativeEngine:
 
     def sequence(self, prompt: str | Sequence | Prompt, max_new_tokens: int = 128,
                  sampling: SamplingParams | None = None, chat: bool = False,
-                 stop_ids: set[int] | None = None) -> SpeculativeSequence:
-        """One sequence's round state (a batching engine keeps one per running request)."""
+                 stop_ids: set[int] | None = None, drafter_model=None) -> SpeculativeSequence:
+        """One sequence's round state (a batching engine keeps one per running request, each with
+        its own `drafter_model`, see SpeculativeSequence)."""
         sampling = sampling or SamplingParams()
         verifier = RejectionSampler(sampling, None if sampling.greedy else sampling.generator())
-        return SpeculativeSequence(self, Prompt.of(prompt, chat), sampling, verifier, stop_ids, max_new_tokens)
+        return SpeculativeSequence(self, Prompt.of(prompt, chat), sampling, verifier, stop_ids, max_new_tokens,
+                                   drafter_model)
 
     def generate(self, prompt: str | Sequence | Prompt, max_new_tokens: int = 128,
                  sampling: SamplingParams | None = None, chat: bool = False, stop_ids: set[int] | None = None,

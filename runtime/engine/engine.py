@@ -26,7 +26,7 @@ from hetero_run.runtime.engine.blocks import BlockManager
 from hetero_run.runtime.engine.output import OutputText
 from hetero_run.runtime.engine.scheduler import Scheduled, Scheduler
 from hetero_run.runtime.engine.sequence import Sequence, Status
-from hetero_run.runtime.engine.speculation import RoundRows, Speculation
+from hetero_run.runtime.engine.speculation import Speculation
 from hetero_run.runtime.models.batch import ForwardBatch
 from hetero_run.topology.errors import ConfigError, UserError
 
@@ -53,7 +53,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
-        self.speculation = Speculation(tokenizer, runner.model.config.vocab_size, drafter, speculation)
+        self.speculation = Speculation(runner, tokenizer, drafter, speculation)
         self.max_context = runner.max_tokens
         self.by_id: dict[str, Sequence] = {}
         self.steps = 0
@@ -118,16 +118,19 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return
-        rounds = self.speculation.plan(scheduled, self.scheduler)  # draft rows, for sequences that decode
+        rounds = self.speculation.plan(scheduled, self.scheduler)  # rows of the sequences this step decides
         batch, spans = self._batch(scheduled, rounds)
         begin = time.perf_counter()
         logits = self.runner.step(batch)
         seconds = time.perf_counter() - begin
         self.speculation.measured_step(batch.rows, seconds)
-        self._postprocess(scheduled, rounds, spans, logits, seconds / batch.rows)
+        self._postprocess(scheduled, rounds, spans, logits, seconds)
         self.steps += 1
 
-    def _batch(self, scheduled: list[Scheduled], rounds: dict[int, RoundRows]) -> tuple[ForwardBatch, list]:
+    def _batch(self, scheduled: list[Scheduled], rounds: dict) -> tuple[ForwardBatch, list]:
+        """One ForwardBatch: each sequence's pending positions, then its round's draft rows (a
+        chain, or a tree whose rows attend to their ancestors); `spans[i]` locates sequence i's
+        logits rows (None: a prompt chunk that decides nothing)."""
         ids, positions, seq_index, logical, prefix, logits_rows = [], [], [], [], [], []
         extra_offsets, extras, tables, spans = [0], [], [], []
         copies, self._copies = self._copies, []
@@ -136,30 +139,31 @@ class LLMEngine:
             seq, start = item.seq, item.seq.computed
             rows = seq.token_ids[start:start + item.rows]
             pos = list(range(start, start + item.rows))
-            kids: list[list[int]] = [[] for _ in rows]
             r = rounds.get(i)
-            if r is not None:  # the pending token, then drafts (a chain, or a tree after it)
-                rows = rows + r.ids
-                pos = pos + r.positions
-                kids += [[] for _ in r.ids]
-                trees |= r.parents is not None
-            first = len(ids)
-            n = len(rows)
+            parents = None
+            if r is not None and r.plan.k:  # the pending token is row 0 of the round's chain or tree
+                _, round_positions, parents = r.plan.target_inputs(rows[-1])
+                rows = rows + r.plan.draft_target_ids.tolist()
+                pos = pos[:-1] + round_positions.tolist()
+            first, n = len(ids), len(rows)
             ids += rows
             positions += pos
             seq_index += [i] * n
             logical += list(range(start, start + n))
-            if r is not None and r.parents is not None:
-                prefix += [start] * n
-                paths = r.paths(start)
-                for p in paths:
-                    extras += p
+            if parents is not None:  # rows before the round attend causally; the round's rows their paths
+                trees = True
+                base = start + item.rows - 1
+                prefix += list(range(start + 1, base + 1)) + [base] * (n - item.rows + 1)
+                extra_offsets += [len(extras)] * (item.rows - 1)
+                paths: list[list[int]] = []
+                for j, parent in enumerate(parents):
+                    paths.append((paths[parent] if parent >= 0 else []) + [base + j])
+                    extras += paths[-1]
                     extra_offsets.append(len(extras))
             else:
                 prefix += list(range(start + 1, start + n + 1))
                 extra_offsets += [len(extras)] * n
-            decided = item.decides
-            if decided:
+            if item.decides:
                 wanted = list(range(first + item.rows - 1, first + n))  # the pending token's row, then the drafts'
                 spans.append((len(logits_rows), len(wanted)))
                 logits_rows += wanted
@@ -175,9 +179,12 @@ class LLMEngine:
                              as_long(copies).T.contiguous() if copies else None)
         return batch, spans
 
-    def _postprocess(self, scheduled: list[Scheduled], rounds: dict[int, RoundRows], spans: list, logits,
-                     row_seconds: float) -> None:
+    def _postprocess(self, scheduled: list[Scheduled], rounds: dict, spans: list, logits, seconds: float) -> None:
         now = time.monotonic()
+        deciding = [i for i, span in enumerate(spans) if span is not None]
+        shares = dict(zip(deciding, self.speculation.shares(
+            [scheduled[i].rows + (rounds[i].plan.k if i in rounds else 0) for i in deciding], seconds)
+            if deciding else [], strict=True))
         for i, item in enumerate(scheduled):
             seq = item.seq
             if spans[i] is None:  # a prefill chunk that does not reach the prompt's end
@@ -185,23 +192,27 @@ class LLMEngine:
                 self.blocks.commit(seq.table, seq.token_ids, seq.computed)
                 continue
             first, count = spans[i]
+            rows = logits[first:first + count]
             r = rounds.get(i)
-            emitted, kept_rows = self.speculation.verify(seq, r, logits[first:first + count],
-                                                         row_seconds * (item.rows + (len(r.ids) if r else 0)))
             start = seq.computed + item.rows - 1  # the pending token's position
-            if r is not None and r.parents is not None:
-                self._keep_branch(seq, start, kept_rows)
-            seq.computed += item.rows - 1 + len(emitted)  # the pending token and the accepted drafts
             seq.rounds += 1
-            if r is not None and r.ids:
-                seq.drafts += 1
-                seq.draft_tokens += len(r.ids)
-                seq.accepted_tokens += len(emitted) - 1
+            if r is None:  # the prompt's last row: the first token
+                new, kept = self.speculation.first(seq, rows), 1
+            else:
+                verdict, new = self.speculation.verify(seq, r, rows, shares[i])
+                kept = len(verdict.rows)
+                if not r.plan.is_chain:
+                    self._keep_branch(seq, start, verdict.rows)
+                if r.plan.k:
+                    seq.drafts += 1
+                    seq.draft_tokens += r.plan.k
+                    seq.accepted_tokens += kept - 1
+            seq.computed = start + kept  # the pending token and the accepted drafts
             self.blocks.shrink(seq.table, seq.computed + 1)
             self.blocks.commit(seq.table, seq.token_ids, seq.computed)
             if seq.first_token_at is None:
                 seq.first_token_at = now
-            self._append(seq, emitted)
+            self._emit(seq, new)
 
     def _keep_branch(self, seq: Sequence, start: int, rows: list[int]) -> None:
         """A tree verify kept `rows` (row 0, then the accepted path): their K/V move to the positions
@@ -212,24 +223,19 @@ class LLMEngine:
                 src, dst = start + row, start + j
                 self._copies.append((blocks[src // b] * b + src % b, blocks[dst // b] * b + dst % b))
 
-    def _append(self, seq: Sequence, emitted: list[int]) -> None:
-        """Add emitted tokens, cut at a stop token, a stop string or the length limit; stream them."""
-        request = seq.request
-        kept = emitted[:seq.room]
-        reason = None
-        for j, token in enumerate(kept):
-            if token in request.stop_ids:
-                kept, reason = kept[:j + 1], "stop"
-                break
-        seq.token_ids += kept
-        shown = [t for t in kept if t not in request.stop_ids]
+    def _emit(self, seq: Sequence, new: list[int]) -> None:
+        """Stream the tokens the round state appended (cut at a stop token or the length limit
+        there); finish at a stop token, a stop string or the length limit."""
+        request, state = seq.request, seq.speculation
+        shown = [t for t in new if t not in request.stop_ids]
         text = seq.output.add(shown) if shown else ""
-        if seq.output.stopped:
+        reason = None
+        if seq.output.stopped or state.stop_reason == "stop_token":
             reason = "stop"
-        elif reason is None and seq.room == 0:
+        elif state.done or seq.generated >= request.max_new_tokens:
             reason = "length"
-        if text or kept:
-            seq.sink(GenerationEvent(request.request_id, text, tuple(kept)))
+        if text or new:
+            seq.sink(GenerationEvent(request.request_id, text, tuple(new)))
         if reason is not None:
             self._finish(seq, reason)
 

@@ -47,8 +47,13 @@ log = logging.getLogger("hetero_run.runtime.speculative.sequence")
 
 
 class SpeculativeSequence:
-    def __init__(self, engine, prompt, sampling, verifier, stop_ids: set[int] | None, max_new_tokens: int):
+    def __init__(self, engine, prompt, sampling, verifier, stop_ids: set[int] | None, max_new_tokens: int,
+                 drafter_model=None):
+        """`drafter_model`: this sequence's view of the drafter (a batching engine gives each
+        sequence a slot of its own; False: none free, so no drafting); None: the engine's drafter."""
         self.engine, self.config, self.max_new_tokens = engine, engine.config, max_new_tokens
+        self.drafter_model = drafter_model
+        self.room_cap: int | None = None  # rows the next round may verify, set by a batching engine
         pairing = engine.pairing
         self.sampling, self.verifier = sampling, verifier
         self.generator = verifier.generator
@@ -74,17 +79,18 @@ class SpeculativeSequence:
         n = self.prompt_tokens
         return torch.tensor(self.target_ids, dtype=torch.long), torch.arange(n)
 
-    def start(self, logits: torch.Tensor) -> None:
-        """The prompt's last row [1, vocab] (as the target alone computes it): the first token."""
+    def start(self, logits: torch.Tensor, catch_up: bool = True) -> None:
+        """The prompt's last row [1, vocab] (as the target alone computes it): the first token.
+        `catch_up=False` leaves the drafter's reading of the prompt to its first draft."""
         engine, config, pairing = self.engine, self.config, self.engine.pairing
         n = self.prompt_tokens
-        self.model_name = config.algorithm if config.algorithm in engine.drafter_algorithms else None
+        has_drafter = engine.drafter is not None and self.drafter_model is not False
+        self.model_name = config.algorithm if config.algorithm in engine.drafter_algorithms and has_drafter else None
         if config.algorithm == "auto":
-            self.model_name = model_algorithm(engine.drafter is not None, pairing.same_vocab, self.sampling.greedy,
-                                              engine.eagle3)
+            self.model_name = model_algorithm(has_drafter, pairing.same_vocab, self.sampling.greedy, engine.eagle3)
         context = None
         if self.model_name is not None:
-            context = DraftContext(engine.drafter.model, pairing.drafter_retokenizer,
+            context = DraftContext(self.drafter_model or engine.drafter.model, pairing.drafter_retokenizer,
                                    self.prompt.for_drafter(pairing.drafter_tokenizer, pairing.target_tokenizer),
                                    pairing.same_vocab, engine.drafter_threads)
         self.session = DraftSession(pairing, context, self.target_ids, logits.shape[-1], self.sampling, self.generator)
@@ -98,7 +104,7 @@ class SpeculativeSequence:
         self.position = n - 1
         first = self.verifier(RoundPlan(torch.empty(0, dtype=torch.long), None, n - 1), logits).token_ids
         self.none.commit(RoundPlan(torch.empty(0, dtype=torch.long), None, n), first)
-        if context is not None and self.policy != "auto":
+        if context is not None and self.policy != "auto" and catch_up:
             context.catch_up()  # the drafter's prompt runs now, not inside the first measured round
         # auto: the drafter reads the prompt when the cost model first picks it (catch-up counted)
         self.prefill_seconds = time.perf_counter() - self.begin
@@ -143,7 +149,7 @@ class SpeculativeSequence:
     def _room(self) -> int:
         """Rows this round may verify (row 0 included), within the target's KV cache."""
         room = getattr(self.engine.target, "max_tokens", None)
-        rows = self.config.max_verify_rows
+        rows = self.config.max_verify_rows if self.room_cap is None else min(self.config.max_verify_rows, self.room_cap)
         return rows if room is None else max(1, min(rows, room - self.position))
 
     def _model_k(self, k: int, room: int) -> int:

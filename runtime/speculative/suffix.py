@@ -46,7 +46,7 @@ class SuffixCache:
         if max_generations < 0 or max_tokens < 1:
             raise ValueError("max_generations must be >= 0 and max_tokens >= 1")
         self.max_generations, self.max_tokens = max_generations, max_tokens
-        self.owner = threading.get_ident()
+        self.owner: int | None = None  # the first thread that uses it (an engine builds it, then its thread runs it)
         self.generations: OrderedDict[int, list[int]] = OrderedDict()
         self.pairs: dict[tuple[int, int], list[int]] = {}
         self.entries = 0  # index entries, live and evicted
@@ -55,8 +55,10 @@ class SuffixCache:
         self.update_seconds = 0.0
 
     def _check_thread(self) -> None:
-        if threading.get_ident() != self.owner:
-            raise RuntimeError("SuffixCache belongs to the thread that made it (the engine's); "
+        if self.owner is None:
+            self.owner = threading.get_ident()
+        elif threading.get_ident() != self.owner:
+            raise RuntimeError("SuffixCache belongs to the thread that first used it (the engine's); "
                                "give each other thread its own or call it from the owner")
 
     @property

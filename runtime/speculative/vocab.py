@@ -112,8 +112,10 @@ class TokenTable:
         return len(self.pieces)
 
     def decode(self, ids) -> bytes:
-        """Bytes of `ids`; special tokens contribute nothing."""
-        return b"".join(self.pieces[i] or b"" for i in ids)
+        """Bytes of `ids`; special tokens, and ids past the tokenizer's (a model's padded vocabulary
+        rows), contribute nothing."""
+        n = len(self.pieces)
+        return b"".join(self.pieces[i] or b"" for i in ids if i < n)
 
 
 def same_vocabulary(a: TokenTable, b: TokenTable) -> bool:

@@ -74,5 +74,5 @@ def test_speculating_among_other_requests_keeps_every_output_the_targets(algorit
         assert tuple(tokens[f"r{i}"]) == reference(prompt), (algorithm, prompt)
     if algorithm != "auto":
         assert sum(f.speculation.draft_tokens for f in finals.values()) > 0
-    assert engine.speculation.free_slots, "the drafter slot came back"
+    assert engine.speculation.free_slots == 1, "the drafter slot came back"
     assert engine.blocks.num_free == engine.blocks.num_blocks

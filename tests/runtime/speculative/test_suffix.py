@@ -64,8 +64,9 @@ def test_the_cache_is_bounded_and_evicts_the_oldest():
     assert cache.entries <= 2 * max(cache.live, 1024)  # evicted entries are compacted away
 
 
-def test_the_cache_belongs_to_its_thread():
+def test_the_cache_belongs_to_the_thread_that_first_uses_it():
     cache = SuffixCache()
+    cache.add([4, 5, 6])  # this thread owns it now
     errors = []
 
     def other():
