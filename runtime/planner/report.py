@@ -196,13 +196,13 @@ def _verdict(plan: Plan) -> str:
     by_memory = plan.max_context_tokens_by_memory
     limited = f"memory allows {by_memory:,}" + (f", the model takes {limit:,}" if limit else "")
     b = plan.batching
-    lines = [f"{plan.verdict}: KV cache of {plan.kv_blocks:,} blocks of {b.block_size} tokens ({plan.kv_tokens:,} "
-             f"tokens) on every rank: {plan.sequences} sequences of {plan.context:,} tokens at once; longest context "
-             f"{plan.max_context_tokens:,} tokens ({limited})"]
+    lines = [f"{plan.verdict}: longest context {plan.max_context_tokens:,} tokens ({limited})",
+             f"KV cache: {plan.kv_blocks:,} blocks of {b.block_size} tokens ({plan.kv_tokens:,} tokens) on every rank, "
+             f"{plan.sequences} sequences of {plan.context:,} tokens at once"]
     if not plan.max_num_seqs_fit:
         room = min(r.sequences_by_memory for r in plan.ranks)
-        lines.append(f"only {room} sequences of {plan.context:,} tokens fit at once (--max-num-seqs {b.max_num_seqs}): "
-                     "the others wait, or are preempted, when all run at full length")
+        lines.append(f"only {room} sequences of {plan.context:,} tokens fit at once, not --max-num-seqs {b.max_num_seqs}: "
+                     "the rest wait, or are preempted at full length")
     problem = plan.kv_request_problem
     if problem is not None:
         lines.append(f"--kv-cache-tokens: {problem}")
