@@ -8,8 +8,8 @@ bytes; `kv_blocks`, the blocks the cache actually gets, is the same on every ran
 (kv.py `kv_cache_blocks`).
 
 Worked example, Qwen3-235B at TP=2, bf16 KV (94 KiB per token), block size 16: one block is
-1.47 MiB; a 32,768-token sequence owns 2,048 blocks (2.94 GiB); 48 GiB of room holds 32,680
-blocks, 15 such sequences at once.
+1,540,096 bytes (1.47 MiB); a 32,768-token sequence owns 2,048 blocks (2.94 GiB); spark-b's
+49.16 GiB of room holds 34,274 blocks: 16 such sequences at once.
 """
 
 from __future__ import annotations

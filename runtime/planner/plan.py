@@ -134,7 +134,7 @@ class Plan:
         return (f"plan: {self.verdict} on TP={self.tp} ({self.hardware.name}): "
                 f"{worst.weights_bytes / gib:.2f} GiB weights + {worst.kv_bytes / gib:.2f} GiB KV "
                 f"({self.kv_blocks:,} blocks of {self.batching.block_size} = {self.kv_tokens:,} tokens: "
-                f"{self.sequences} sequences of {self.context:,}) per rank, {worst.total_bytes / gib:.2f} of "
+                f"{self.sequences} sequence(s) of {self.context:,}) per rank, {worst.total_bytes / gib:.2f} of "
                 f"{worst.capacity_bytes / gib:.2f} GiB on {worst.node}; longest context {self.max_context_tokens:,}; "
                 f"decode ceiling {self.roofline.target_tokens_per_s:.1f} tok/s")
 

@@ -191,6 +191,10 @@ def _roofline_table(plan: Plan) -> Table:
     return table
 
 
+def _sequences(n: int) -> str:
+    return f"{n:,} sequence" + ("" if n == 1 else "s")
+
+
 def _verdict(plan: Plan) -> str:
     limit = plan.model_max_context_tokens
     by_memory = plan.max_context_tokens_by_memory
@@ -198,11 +202,11 @@ def _verdict(plan: Plan) -> str:
     b = plan.batching
     lines = [f"{plan.verdict}: longest context {plan.max_context_tokens:,} tokens ({limited})",
              f"KV cache: {plan.kv_blocks:,} blocks of {b.block_size} tokens ({plan.kv_tokens:,} tokens) on every rank, "
-             f"{plan.sequences} sequences of {plan.context:,} tokens at once"]
-    if not plan.max_num_seqs_fit:
+             f"{_sequences(plan.sequences)} of {plan.context:,} tokens at once"]
+    if plan.fits and not plan.max_num_seqs_fit:
         room = min(r.sequences_by_memory for r in plan.ranks)
-        lines.append(f"only {room} sequences of {plan.context:,} tokens fit at once, not --max-num-seqs {b.max_num_seqs}: "
-                     "the rest wait, or are preempted at full length")
+        lines.append(f"only {_sequences(room)} of {plan.context:,} tokens fit at once, not --max-num-seqs "
+                     f"{b.max_num_seqs}: the rest wait, or are preempted at full length")
     problem = plan.kv_request_problem
     if problem is not None:
         lines.append(f"--kv-cache-tokens: {problem}")

@@ -93,7 +93,8 @@ def test_run_config_file_and_flag_overrides(run_cli, tmp_path):
     (("--target", "qwen3-235b-a22b-nvfp4", "--block-size", "0"), "--block-size: must be a whole number >= 1"),
     (("--target", "qwen3-235b-a22b-nvfp4", "--max-num-batched-tokens", "4"),
      "--max-num-batched-tokens: must be >= max_num_seqs (8), got 4"),
-    (("--target", "qwen3-235b-a22b-nvfp4", "--kv-cache-tokens", "8"), "--kv-cache-tokens: must be a whole number >= 16"),
+    (("--target", "qwen3-235b-a22b-nvfp4", "--kv-cache-tokens", "8"),
+     "--kv-cache-tokens: must be a whole number >= 16"),
     (("--target", "qwen3-235b-a22b-nvfp4", "--context", "8192", "--kv-cache-tokens", "1000"),
      "--kv-cache-tokens: 1,000 tokens hold less than one sequence of the context (8,192 tokens: 512 blocks of 16)"),
 ])
@@ -137,3 +138,24 @@ def test_generate_refuses_a_plan_that_does_not_fit_before_loading(run_cli):
     assert out.returncode == 1, out.output
     assert "DOES NOT FIT" in out.output and "rank 0 (this machine) needs" in out.output
     assert "loaded in" not in out.output and "Traceback" not in out.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--kv-cache-tokens", str(10**12)),
+     r"--kv-cache-tokens: 1,000,000,000,000 tokens \(62,500,000,000 blocks of 16\) do not fit: rank 0 \(this machine\) "
+     r"has room for [\d,]+ blocks"),
+    (("--context", "256", "--kv-cache-tokens", "100"),
+     r"--kv-cache-tokens: 100 tokens hold less than one sequence of the context \(256 tokens: 16 blocks of 16\)"),
+])
+def test_serve_refuses_a_kv_cache_the_plan_cannot_give_before_loading(run_cli, args, message):
+    """`serve` takes its KV cache from the plan: a request for more than the room, or for less
+    than one sequence, stops it before the port opens or a weight is read."""
+    import re
+
+    from tiny_models import tiny_checkpoint
+
+    out = run_cli("serve", "--target", tiny_checkpoint("qwen3", "bf16"), "--port", "0", *args)
+    assert out.returncode == 2, out.output
+    lines = [line for line in out.stderr.splitlines() if "kv-cache-tokens" in line]
+    assert len(lines) == 1 and re.search(message, lines[0]), out.stderr
+    assert "listening on" not in out.output and "loaded in" not in out.output and "Traceback" not in out.output
