@@ -9,10 +9,10 @@ One dataclass per concern, each checking itself: `RopeConfig` (rotary positions)
 `AttentionConfig` (heads, KV heads, head_dim, biases, q/k norm: the KV cache's shape),
 `MoEConfig` (routed experts), `DecoderConfig` (the whole decoder, any architecture) and
 `ModelConfig` (a decoder the runtime's own code runs: qwen3_moe, qwen3, qwen2 or llama, silu,
-full attention, a supported rotary scheme). The EAGLE-3 head's layer is a `DecoderConfig` read
-by the same `HFConfig` (eagle3/config.py). What differs between the four architectures is a
-few flags: qkv bias (qwen2), per-head q/k RMSNorm (qwen3, qwen3_moe), sparse MoE layers
-(qwen3_moe), attention / MLP biases and rope scaling (llama).
+full attention, a supported rotary scheme), all read through `HFConfig` (hf_config.py). The
+EAGLE-3 head's layer is a `DecoderConfig` read the same way (eagle3/config.py). What differs
+between the four architectures is a few flags: qkv bias (qwen2), per-head q/k RMSNorm (qwen3,
+qwen3_moe), sparse MoE layers (qwen3_moe), attention / MLP biases and rope scaling (llama).
 """
 
 from __future__ import annotations

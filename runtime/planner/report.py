@@ -22,6 +22,10 @@ def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+def _small(n: int) -> str:
+    return f"{n / MiB:.2f} MiB" if n >= MiB else f"{n / KiB:.1f} KiB"
+
+
 def _source_json(source) -> dict | None:
     if source is None:
         return None
@@ -135,7 +139,7 @@ def _memory_table(plan: Plan) -> Table:
     if plan.drafter is not None:
         row("drafter weights", [gib(r.drafter_weights_bytes) for r in ranks])
     row("KV cache per token", [f"{r.kv_bytes_per_token / KiB:.1f} KiB" for r in ranks])
-    row(f"KV cache per block ({plan.batching.block_size} tokens)", [f"{r.kv_block_bytes / MiB:.2f} MiB" for r in ranks])
+    row(f"KV cache per block ({plan.batching.block_size} tokens)", [_small(r.kv_block_bytes) for r in ranks])
     row("KV cache", [f"{r.kv_blocks:,} blocks = {r.kv_tokens:,} tok" for r in ranks])
     row("", [gib(r.kv_bytes) for r in ranks])
     if plan.drafter is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support import PAIR
 from tiny_models import ARCHITECTURES, tiny_checkpoint
 
 from hetero_run.launch.generate import GenerateConfig
@@ -123,3 +124,21 @@ def test_preset_expansion_is_what_modelopt_exports(arch, quant):
     ckpt = Checkpoint.open(tiny_checkpoint(arch, quant))
     expanded = expand(ModelShape.for_target(ckpt.config), ckpt.quant, torch.bfloat16)
     assert expanded == {name: TensorInfo(m.dtype, m.shape) for name, m in ckpt.tensors.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (PAIR / "qwen2.5-coder-0.5b-instruct-nvfp4").is_dir(), reason="the CPU model pair is absent")
+def test_real_cpu_pair_kv_cache_is_what_the_plan_printed():
+    """The real NVFP4 target at TP=2 with serve's defaults and its drafter: each shard allocates
+    the blocks the plan printed."""
+    path = PAIR / "qwen2.5-coder-0.5b-instruct-nvfp4"
+    plan = make_plan(str(path), drafter=str(PAIR / "SmolLM2-135M-Instruct.Q4_1.gguf"), tp=2, context=2048,
+                     batching=BatchingConfig(max_num_seqs=8))
+    served = kv_budget(GenerateConfig(target=path, sampling=None, context=2048), plan)
+    assert plan.fits and plan.kv_blocks == 8 * 128 and served.kv_tokens == 8 * 2048
+    for rank in range(2):
+        model = load_model(path, ParallelContext(group=object(), rank=rank, size=2), max_tokens=2048,
+                           kv_tokens=served.kv_tokens, block_size=served.block_size)
+        assert model.kv.num_blocks == plan.ranks[rank].kv_blocks and model.kv.nbytes == plan.ranks[rank].kv_bytes
+        assert model.weight_nbytes == plan.ranks[rank].weights_bytes
+        del model
