@@ -392,17 +392,24 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_plan(config: GenerateConfig, args: argparse.Namespace):
-    """The memory plan, before any rank starts or any weight is read (DOES NOT FIT: exit 2)."""
+def check_plan(config: GenerateConfig, args: argparse.Namespace, batching=None):
+    """The memory plan, before any rank starts or any weight is read (DOES NOT FIT: exit 1; a
+    --kv-cache-tokens the memory cannot give: exit 2). `batching`: the scheduler's memory side
+    (runtime.config.BatchingConfig); default one sequence, as `generate` runs."""
     from hetero_run.launch.log import get_logger
+    from hetero_run.launch.plan import errors_name_flags
     from hetero_run.launch.settings import job_shape
-    from hetero_run.runtime.config import RunConfig
+    from hetero_run.runtime.config import BatchingConfig, RunConfig
     from hetero_run.runtime.planner import check_before_load
 
-    run_config = RunConfig(target=str(config.target), topology=getattr(args, "topology", None), context=config.context,
-                           dtype=config.dtype, prefill_chunk=config.prefill_chunk,
-                           drafter=config.drafter)
-    plan = check_before_load(run_config, world_size=job_shape()[1])
+    batching = batching or BatchingConfig.one_sequence(config.prefill_chunk, config.block_size, config.kv_tokens)
+    with errors_name_flags():
+        run_config = RunConfig(target=str(config.target), topology=getattr(args, "topology", None),
+                               context=config.context, dtype=config.dtype, prefill_chunk=config.prefill_chunk,
+                               drafter=config.drafter, max_num_seqs=batching.max_num_seqs,
+                               max_num_batched_tokens=batching.max_num_batched_tokens, block_size=batching.block_size,
+                               kv_cache_tokens=batching.kv_cache_tokens)
+        plan = check_before_load(run_config, world_size=job_shape()[1])
     get_logger(__name__).info("%s", plan.summary())
     return plan
 

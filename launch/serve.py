@@ -65,8 +65,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     batching.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV cache block "
                           "(default 16)")
     batching.add_argument("--kv-cache-tokens", type=int, metavar="N",
-                          help="KV cache slots on each rank, shared by all requests (default: --context times "
-                          "--max-num-seqs, within what the plan leaves free)")
+                          help="KV cache slots on each rank, shared by all requests (default: the plan's, "
+                          "--max-num-seqs sequences of --context tokens within the room left; `hetero-run plan` "
+                          "prints it)")
     batching.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                           help="reuse the KV cache of prompt prefixes earlier requests computed (default on)")
 
@@ -235,8 +236,8 @@ def run(args: argparse.Namespace) -> int:
     from hetero_run.launch.settings import launch_settings
 
     config, server, engine = build_configs(args)
-    plan = generate.check_plan(config, args)
-    config = kv_budget(config, engine, plan)
+    plan = generate.check_plan(config, args, batching_config(config, engine))
+    config = kv_budget(config, plan)
     settings = launch_settings(args)
     # a drain may take --drain-timeout, then the workers stop and the group comes down
     settings = replace(settings, signal_grace_s=args.drain_timeout + settings.peer_timeout_s + 15.0)
@@ -251,18 +252,29 @@ def run(args: argparse.Namespace) -> int:
         return Rank0(args, config, server, engine, dist, sock).run(plan)
 
 
-def kv_budget(config, engine, plan):
-    """--kv-cache-tokens, or --context x --max-num-seqs within the KV room the plan leaves on the
-    fullest rank (at least one full-length sequence)."""
+def batching_config(config, engine):
+    """The scheduler's memory side the plan sizes the KV cache and the activations for."""
+    from hetero_run.launch.plan import errors_name_flags
+    from hetero_run.runtime.config import BatchingConfig
+
+    with errors_name_flags():
+        return BatchingConfig(engine.max_num_seqs, engine.max_num_batched_tokens, config.block_size,
+                              config.kv_tokens)
+
+
+def kv_budget(config, plan):
+    """The KV cache the plan sized (runtime/planner kv.py `kv_cache_blocks`: --kv-cache-tokens, or
+    --max-num-seqs sequences of --context tokens within the room the tightest rank has), so every
+    rank loads exactly the blocks the plan counted."""
     from dataclasses import replace
 
-    if config.kv_tokens is not None:
-        return config
-    context = plan.context
-    wanted = context * engine.max_num_seqs
-    per_token = max(r.kv_bytes_per_token for r in plan.ranks)
-    room = min(r.kv_room_bytes for r in plan.ranks) // max(1, per_token)
-    return replace(config, kv_tokens=max(context, min(wanted, room)))
+    if not plan.max_num_seqs_fit:
+        from hetero_run.launch.log import get_logger
+
+        get_logger(__name__).warning(
+            "the KV cache holds %d sequences of %d tokens at once (--max-num-seqs %d): more wait, or are preempted, "
+            "when all run at full length", plan.sequences, plan.context, plan.batching.max_num_seqs)
+    return replace(config, kv_tokens=plan.kv_tokens, block_size=plan.batching.block_size)
 
 
 def _worker(loaded, dist) -> int:

@@ -16,6 +16,7 @@ from hetero_run.runtime.checkpoint import Checkpoint, CheckpointError, TensorMet
 from hetero_run.runtime.models.attention import Attention
 from hetero_run.runtime.models.balance import balance, even_rows, return_freed_memory
 from hetero_run.runtime.models.config import ModelConfig
+from hetero_run.runtime.models.config import kv_head_split as split_kv_heads
 from hetero_run.runtime.models.decoder import DecoderLayer, TargetModel
 from hetero_run.runtime.models.embedding import ParallelLMHead, VocabParallelEmbedding
 from hetero_run.runtime.models.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
@@ -164,14 +165,8 @@ def resolve_dtype(dtype: str | torch.dtype, src: Checkpoint) -> torch.dtype:
 
 
 def kv_head_split(num_kv_heads: int, ctx: ParallelContext) -> tuple[int, int, int]:
-    """(part index, part count, KV heads per rank). Fewer KV heads than ranks: each rank keeps
-    the one KV head its query heads read, e.g. 2 KV heads at TP=4: ranks 0, 1 -> head 0."""
-    if num_kv_heads % ctx.size == 0:
-        return ctx.rank, ctx.size, num_kv_heads // ctx.size
-    if ctx.size % num_kv_heads == 0:
-        return ctx.rank // (ctx.size // num_kv_heads), num_kv_heads, 1
-    raise ConfigError(f"{num_kv_heads} KV heads cannot be split or replicated over {ctx.size} ranks",
-                      field="tensor_parallel")
+    """(part index, part count, KV heads per rank) of this rank (models/config.py `kv_head_split`)."""
+    return split_kv_heads(num_kv_heads, ctx.rank, ctx.size)
 
 
 DEFAULT_CONTEXT = 32768

@@ -21,7 +21,6 @@ import functools
 import math
 from dataclasses import dataclass
 from enum import Enum
-from types import SimpleNamespace
 
 import torch
 
@@ -94,9 +93,9 @@ def runtime_dtype(source: ModelSource, dtype: str | torch.dtype = "auto") -> tor
 
 
 def local_kv_heads(num_kv_heads: int, tp: int) -> int:
-    from hetero_run.runtime.models.loader import kv_head_split
+    from hetero_run.runtime.models.config import kv_head_split
 
-    return kv_head_split(num_kv_heads, SimpleNamespace(rank=0, size=tp))[2]
+    return kv_head_split(num_kv_heads, 0, tp)[2]
 
 
 def check_splits(shape, tp: int) -> None:

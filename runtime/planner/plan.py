@@ -2,17 +2,21 @@
 take against the memory of the node the rank runs on; the verdict; the decode roofline.
 
 Ranks fill nodes in order: with R ranks on N nodes each node runs R/N consecutive ranks and
-they split its memory (and the memory its OS keeps). The drafter runs on rank 0 only.
-Nothing here reads a weight: checkpoints are planned from their safetensors headers.
+they split its memory (and the memory its OS keeps). The drafter runs on rank 0 only. The KV
+cache is counted in blocks: every rank gets the same number (kv.py `kv_cache_blocks`), what
+`serve` then allocates. Nothing here reads a weight: checkpoints are planned from their
+safetensors headers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from hetero_run.runtime.config import BatchingConfig
+from hetero_run.runtime.models.config import ARCHITECTURES
 from hetero_run.runtime.planner.accounting import (
     RankTensor,
     embedding_row_bytes,
@@ -22,7 +26,7 @@ from hetero_run.runtime.planner.accounting import (
 )
 from hetero_run.runtime.planner.hardware import GiB, Hardware, hardware_preset
 from hetero_run.runtime.planner.inventory import ModelSource, resolve
-from hetero_run.runtime.planner.kv import kv_bytes_per_token
+from hetero_run.runtime.planner.kv import kv_bytes_per_token, kv_cache_blocks
 from hetero_run.runtime.planner.memory import Node, RankPlan
 from hetero_run.runtime.planner.roofline import Roofline, collectives_per_forward, forward_bytes, forward_cost
 from hetero_run.runtime.planner.workspace import Workspace, workspace
@@ -48,7 +52,7 @@ class Plan:
     nodes: tuple[Node, ...]
     tp: int
     context: int
-    batch: int
+    batching: BatchingConfig
     dtype: torch.dtype  # dense weights, activations and KV cache
     hardware: Hardware
     ranks: tuple[RankPlan, ...]
@@ -66,6 +70,38 @@ class Plan:
         return "FITS" if self.fits else "DOES NOT FIT"
 
     @property
+    def kv_blocks(self) -> int:
+        """The KV cache's blocks on every rank."""
+        return self.ranks[0].kv_blocks
+
+    @property
+    def kv_tokens(self) -> int:
+        """The KV cache's slots on every rank: what `serve` gives the loader (`kv_tokens`)."""
+        return self.ranks[0].kv_tokens
+
+    @property
+    def sequences(self) -> int:
+        """Sequences of the full context the KV cache holds at once."""
+        return self.ranks[0].sequences
+
+    @property
+    def max_num_seqs_fit(self) -> bool:
+        """Whether --max-num-seqs sequences of the full context fit at once on every rank."""
+        return all(r.max_num_seqs_fit for r in self.ranks)
+
+    @property
+    def kv_request_problem(self) -> str | None:
+        """Why --kv-cache-tokens cannot be given, when that alone stops the plan from fitting."""
+        wanted = self.batching.kv_cache_tokens
+        short = [r for r in self.ranks if r.kv_blocks_by_memory < r.kv_blocks]
+        if wanted is None or not short or any(r.kv_blocks_by_memory < r.blocks_per_sequence for r in self.ranks):
+            return None
+        r = min(short, key=lambda r: r.kv_blocks_by_memory)
+        return (f"{wanted:,} tokens ({r.kv_blocks:,} blocks of {r.block_size}) do not fit: rank {r.rank} ({r.node}) "
+                f"has room for {r.kv_blocks_by_memory:,} blocks ({r.kv_blocks_by_memory * r.block_size:,} tokens) "
+                f"besides its weights, drafter and activations")
+
+    @property
     def model_max_context_tokens(self) -> int | None:
         return self.target.shape.max_positions or None
 
@@ -81,19 +117,24 @@ class Plan:
         return by_memory if limit is None else min(by_memory, limit)
 
     def check(self) -> Plan:
-        """Raise `DoesNotFit` (a UserError, exit status 1, carrying the rendered plan) unless
-        the plan fits; returns the plan."""
-        if not self.fits:
-            raise DoesNotFit(self)
-        return self
+        """Raise unless the plan fits; returns the plan. A --kv-cache-tokens the memory cannot
+        give is a one-line ConfigError naming it; anything else `DoesNotFit` (a UserError, exit
+        status 1, carrying the rendered plan)."""
+        if self.fits:
+            return self
+        problem = self.kv_request_problem
+        if problem is not None:
+            raise ConfigError(problem, field="kv_cache_tokens")
+        raise DoesNotFit(self)
 
     def summary(self) -> str:
-        """One line: verdict, weights and KV per rank, longest context, decode ceiling."""
+        """One line: verdict, weights and KV per rank, sequences at once, longest context, decode ceiling."""
         worst = min(self.ranks, key=lambda r: r.free_bytes)
         gib = 1 << 30
         return (f"plan: {self.verdict} on TP={self.tp} ({self.hardware.name}): "
                 f"{worst.weights_bytes / gib:.2f} GiB weights + {worst.kv_bytes / gib:.2f} GiB KV "
-                f"({self.context:,} tokens) per rank, {worst.total_bytes / gib:.2f} of "
+                f"({self.kv_blocks:,} blocks of {self.batching.block_size} = {self.kv_tokens:,} tokens: "
+                f"{self.sequences} sequence(s) of {self.context:,}) per rank, {worst.total_bytes / gib:.2f} of "
                 f"{worst.capacity_bytes / gib:.2f} GiB on {worst.node}; longest context {self.max_context_tokens:,}; "
                 f"decode ceiling {self.roofline.target_tokens_per_s:.1f} tok/s")
 
@@ -115,7 +156,7 @@ def make_plan(
     nodes: Sequence[Node] | None = None,
     tp: int = 1,
     context: int | None = None,
-    batch: int = 1,
+    batching: BatchingConfig | None = None,
     hardware: str | Hardware | None = None,
     dtype: str | torch.dtype = "auto",
     prefill_chunk: int = 512,
@@ -127,45 +168,59 @@ def make_plan(
 
     Without `nodes`: one node with the hardware profile's memory (`cpu-host`: this machine's).
     `hardware` defaults to `dgx-spark` when nodes are given (a topology) and `cpu-host` without.
-    `context` is the tokens each sequence's KV cache holds (prompt + new tokens); default
-    min(32768, the model's max_position_embeddings). `dtype` is the loader's: "auto" (bf16,
-    or fp32 for fp32 checkpoints), bf16, fp16 or fp32.
+    `context` is the tokens one sequence holds (prompt + new tokens); default min(32768, the
+    model's max_position_embeddings). `batching`: sequences per step, rows per step, block size
+    and KV cache slots (default: `serve`'s, `BatchingConfig()`; `generate` is
+    `BatchingConfig.one_sequence(prefill_chunk)`). `dtype` is the loader's: "auto" (bf16, or
+    fp32 for fp32 checkpoints), bf16, fp16 or fp32.
     """
     target = resolve(target, role="target") if isinstance(target, str) else target
     if isinstance(drafter, str):
         drafter = resolve(drafter, role="drafter")
+    if drafter is not None and drafter.shape.head is not None:
+        drafter.shape.head.check_target(target.shape.decoder, drafter.name)
     if not isinstance(hardware, Hardware):
         hardware = hardware_preset(hardware or ("dgx-spark" if nodes else "cpu-host"))
     nodes = tuple(nodes) if nodes else (Node("this machine", hardware.node_memory_bytes()),)
+    batching = batching or BatchingConfig()
     dtype = runtime_dtype(target, dtype)
     if context is None:
         context = min(DEFAULT_CONTEXT, target.shape.max_positions or DEFAULT_CONTEXT)
-    _validate(tp=tp, nodes=nodes, context=context, batch=batch, prefill_chunk=prefill_chunk, draft_len=draft_len)
+    _validate(tp=tp, nodes=nodes, context=context, prefill_chunk=prefill_chunk, draft_len=draft_len)
+    if batching.requested_blocks is not None and batching.requested_blocks < batching.blocks_for(context):
+        raise ConfigError(f"{batching.kv_cache_tokens:,} tokens hold less than one sequence of the context "
+                          f"({context:,} tokens: {batching.blocks_for(context):,} blocks of {batching.block_size})",
+                          field="kv_cache_tokens")
 
-    shape = dict(batch=batch, chunk=prefill_chunk)
-    main = _Part.of(target, tp, dtype, logits_tokens=draft_len + 1 if drafter else 1, **shape)
+    main = _Part.of(target, tp, dtype)
     draft_dtype = (dtype if drafter.shape.eagle3 else runtime_dtype(drafter)) if drafter else None  # a head runs in
-    draft = _Part.of(drafter, 1, draft_dtype, logits_tokens=draft_len, **shape) if drafter else None  # the target's
+    draft = _Part.of(drafter, 1, draft_dtype) if drafter else None  # the target's dtype
+    seqs = batching.max_num_seqs
+    rows = batching.max_num_batched_tokens
+    target_ws = dict(rows=rows, logits_rows=min(rows, seqs * (draft_len + 1 if drafter else 1)))
     per_node = tp // len(nodes)
     head_rows, head_per_token = _eagle3_extra(target, drafter, tp, dtype) if drafter else (0, 0)
     ranks = []
     for rank in range(tp):
         node = nodes[rank // per_node]
         first = rank == 0
-        ws = main.workspace(gathers_logits=first)
+        ws = main.workspace(gathers_logits=first, **target_ws)
         if first and draft:
-            ws = ws + draft.workspace(gathers_logits=False)
+            ws = ws + draft.workspace(rows=prefill_chunk, logits_rows=min(prefill_chunk, seqs * draft_len),
+                                      gathers_logits=False)
         ranks.append(RankPlan(
-            rank=rank, node=node.name, capacity_bytes=node.memory_bytes // per_node, context=context, batch=batch,
-            weights_by_group=main.groups, kv_bytes_per_token=main.kv_per_token,
+            rank=rank, node=node.name, capacity_bytes=node.memory_bytes // per_node, context=context,
+            batching=batching, weights_by_group=main.groups, kv_bytes_per_token=main.kv_per_token,
             drafter_weights_bytes=draft.weights_bytes + head_rows if first and draft else 0,
             drafter_kv_bytes_per_token=draft.kv_per_token + head_per_token if first and draft else 0, workspace=ws,
             reserved_bytes=int(hardware.reserved_gib * GiB) // per_node,
             overhead_bytes=int(hardware.runtime_overhead_gib * GiB),
         ))
+    blocks = kv_cache_blocks(batching, context, [r.kv_blocks_by_memory for r in ranks])
+    ranks = [replace(r, kv_blocks=blocks) for r in ranks]
     roofline = _roofline(main, draft, hardware, tp=tp, per_node=per_node, context=context,
                          draft_len=draft_len, acceptance=acceptance)
-    return Plan(target, drafter, nodes, tp, context, batch, dtype, hardware, tuple(ranks), roofline,
+    return Plan(target, drafter, nodes, tp, context, batching, dtype, hardware, tuple(ranks), roofline,
                 _notes(target, context), tuple(main.tensors), tuple(draft.tensors) if draft else ())
 
 
@@ -179,15 +234,11 @@ class _Part:
     groups: dict[str, int]
     kv_per_token: int
     dtype: torch.dtype
-    batch: int
-    chunk: int
-    logits_tokens: int
 
     @classmethod
-    def of(cls, source: ModelSource, tp: int, dtype: torch.dtype, **kw) -> _Part:
+    def of(cls, source: ModelSource, tp: int, dtype: torch.dtype) -> _Part:
         tensors = rank_tensors(source, tp, dtype)
-        return cls(source, tp, tensors, group_bytes(tensors), kv_bytes_per_token(source.shape, tp, dtype), dtype,
-                   **kw)
+        return cls(source, tp, tensors, group_bytes(tensors), kv_bytes_per_token(source.shape, tp, dtype), dtype)
 
     @property
     def weights_bytes(self) -> int:
@@ -197,14 +248,22 @@ class _Part:
     def tied(self) -> bool:
         return "lm_head" not in self.groups
 
-    def workspace(self, gathers_logits: bool) -> Workspace:
-        return workspace(self.source.shape, self.tensors, tp=self.tp, batch=self.batch, chunk=self.chunk,
-                         logits_tokens=self.logits_tokens, act_dtype=self.dtype, gathers_logits=gathers_logits)
+    @property
+    def paged(self) -> bool:
+        """Whether it runs on the runtime's own decoder (paged attention): targets and drafters of
+        its architectures; an EAGLE-3 head or a transformers drafter masks its attention."""
+        shape = self.source.shape
+        return not shape.eagle3 and shape.model_type in ARCHITECTURES
+
+    def workspace(self, *, rows: int, logits_rows: int, gathers_logits: bool) -> Workspace:
+        return workspace(self.source.shape, self.tensors, tp=self.tp, rows=rows, logits_rows=logits_rows,
+                         act_dtype=self.dtype, gathers_logits=gathers_logits, paged=self.paged)
 
     def forward_bytes(self, tokens: int, context: int, shared_routing: bool = False,
                       skip: tuple[str, ...] = ()) -> int:
+        """One sequence's forward of `tokens` tokens over `context` tokens of KV cache."""
         row = embedding_row_bytes(self.tensors)
-        return forward_bytes(self.groups, self.source.shape, tokens=tokens, batch=self.batch, context=context,
+        return forward_bytes(self.groups, self.source.shape, tokens=tokens, batch=1, context=context,
                              kv_bytes_per_token=self.kv_per_token, embedding_row_bytes=row, skip=skip,
                              shared_routing=shared_routing, tied=self.tied)
 
@@ -218,10 +277,10 @@ def _roofline(main: _Part, draft: _Part | None, hardware: Hardware, *, tp: int, 
         return forward_cost([per_rank] * tp, collectives, hardware, tokens, per_node)
 
     if draft is None:
-        return Roofline(hardware, main.batch, context, target(1))
+        return Roofline(hardware, 1, context, target(1))
     # EAGLE-3 fuses the target features (fc) once per round; later steps reuse its output
     step = forward_cost([draft.forward_bytes(1, context, skip=("fc",))], 0, hardware, 1)
-    return Roofline(hardware, main.batch, context, target(1), verify=target(draft_len + 1),
+    return Roofline(hardware, 1, context, target(1), verify=target(draft_len + 1),
                     verify_shared=target(draft_len + 1, shared_routing=True), draft_step=step,
                     draft_round_extra_s=draft.groups.get("fc", 0) / hardware.bandwidth_bytes_per_s,
                     acceptance=acceptance, draft_len=draft_len)
@@ -252,10 +311,9 @@ def _notes(target: ModelSource, context: int) -> tuple[str, ...]:
     return tuple(notes)
 
 
-def _validate(*, tp: int, nodes: tuple[Node, ...], context: int, batch: int, prefill_chunk: int,
-              draft_len: int) -> None:
-    for name, value in (("tensor_parallel_size", tp), ("context", context), ("batch", batch),
-                        ("prefill_chunk", prefill_chunk), ("draft_len", draft_len)):
+def _validate(*, tp: int, nodes: tuple[Node, ...], context: int, prefill_chunk: int, draft_len: int) -> None:
+    for name, value in (("tensor_parallel_size", tp), ("context", context), ("prefill_chunk", prefill_chunk),
+                        ("draft_len", draft_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"must be an integer >= 1, got {value!r}", field=name)
     if tp % len(nodes):

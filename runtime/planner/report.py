@@ -13,12 +13,17 @@ if TYPE_CHECKING:
     from hetero_run.runtime.planner.plan import Plan
 
 GiB = 1 << 30
+MiB = 1 << 20
 KiB = 1 << 10
 GROUP_ORDER = ("attention", "experts", "mlp", "router", "norms", "embedding", "lm_head", "fc", "vocab_map", "other")
 
 
 def gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
+
+
+def _small(n: int) -> str:
+    return f"{n / MiB:.2f} MiB" if n >= MiB else f"{n / KiB:.1f} KiB"
 
 
 def _source_json(source) -> dict | None:
@@ -53,7 +58,14 @@ def plan_json(plan: Plan, per_tensor: bool = False) -> dict:
         "max_context_tokens_by_memory": plan.max_context_tokens_by_memory,
         "model_max_context_tokens": plan.model_max_context_tokens,
         "context_tokens": plan.context,
-        "batch": plan.batch,
+        "max_num_seqs": plan.batching.max_num_seqs,
+        "max_num_batched_tokens": plan.batching.max_num_batched_tokens,
+        "block_size": plan.batching.block_size,
+        "kv_cache_tokens_requested": plan.batching.kv_cache_tokens,
+        "kv_blocks": plan.kv_blocks,
+        "kv_tokens": plan.kv_tokens,
+        "sequences": plan.sequences,
+        "max_num_seqs_fit": plan.max_num_seqs_fit,
         "dtype": str(plan.dtype).removeprefix("torch."),
         "tensor_parallel_size": plan.tp,
         "target": _source_json(plan.target),
@@ -104,8 +116,10 @@ def _title(plan: Plan) -> str:
     text = f"{t.name}: {t.format}, {_parameters(t) / 1e9:.2f} B parameters, {gib(t.total_bytes)}"
     if plan.drafter is not None:
         text += f" + drafter {plan.drafter.name} ({gib(plan.drafter.total_bytes)})"
-    return (f"{text}\nTP={plan.tp} over {len(plan.nodes)} node(s), context {plan.context:,} x batch "
-            f"{plan.batch}, {str(plan.dtype).removeprefix('torch.')} weights/KV, hardware {plan.hardware.name}")
+    b = plan.batching
+    return (f"{text}\nTP={plan.tp} over {len(plan.nodes)} node(s), context {plan.context:,}, up to {b.max_num_seqs} "
+            f"sequences and {b.max_num_batched_tokens} rows a step, KV blocks of {b.block_size} tokens, "
+            f"{str(plan.dtype).removeprefix('torch.')} weights/KV, hardware {plan.hardware.name}")
 
 
 def _memory_table(plan: Plan) -> Table:
@@ -125,17 +139,25 @@ def _memory_table(plan: Plan) -> Table:
     if plan.drafter is not None:
         row("drafter weights", [gib(r.drafter_weights_bytes) for r in ranks])
     row("KV cache per token", [f"{r.kv_bytes_per_token / KiB:.1f} KiB" for r in ranks])
-    row(f"KV cache ({plan.context:,} x {plan.batch})", [gib(r.kv_bytes) for r in ranks])
+    row(f"KV cache per block ({plan.batching.block_size} tokens)", [_small(r.kv_block_bytes) for r in ranks])
+    row("KV cache", [f"{r.kv_blocks:,} blocks = {r.kv_tokens:,} tok" for r in ranks])
+    row("", [gib(r.kv_bytes) for r in ranks])
     if plan.drafter is not None:
-        row("drafter KV cache", [gib(r.drafter_kv_bytes) for r in ranks])
-    row("activations / workspace (est.)", [gib(r.activation_bytes) for r in ranks])
+        row(f"drafter KV cache ({plan.context:,} x {plan.batching.max_num_seqs})",
+            [gib(r.drafter_kv_bytes) for r in ranks])
+    row(f"activations / workspace (est., {plan.batching.max_num_batched_tokens} rows)",
+        [gib(r.activation_bytes) for r in ranks])
     row("runtime overhead", [gib(r.overhead_bytes) for r in ranks])
     row("reserved (OS, drivers)", [gib(r.reserved_bytes) for r in ranks])
     row("total", [gib(r.total_bytes) for r in ranks], "bold")
     row("capacity", [gib(r.capacity_bytes) for r in ranks])
     row("free", [gib(r.free_bytes) for r in ranks], "bold")
-    row("room for KV cache", [f"{gib(r.kv_room_bytes)} = {max(0, r.kv_room_bytes) // r.per_context_token_bytes:,} tok"
-                              for r in ranks])
+    row("room for KV cache", [gib(r.kv_room_bytes) for r in ranks])
+    row("", [f"{r.kv_blocks_by_memory:,} blocks = {r.kv_blocks_by_memory * r.block_size:,} tok" for r in ranks])
+    row(f"sequences of {plan.context:,} tokens at once", [f"{r.sequences} (room: {r.sequences_by_memory})"
+                                                         for r in ranks], "bold")
+    row(f"--max-num-seqs {plan.batching.max_num_seqs} at full context fit",
+        ["yes" if r.max_num_seqs_fit else "no" for r in ranks])
     return table
 
 
@@ -143,7 +165,7 @@ def _roofline_table(plan: Plan) -> Table:
     roof = plan.roofline
     hw = plan.hardware
     measured = " (measured)" if hw.measured else ""
-    table = Table(title=f"decode roofline at batch {roof.batch}, context {roof.context:,}: "
+    table = Table(title=f"decode roofline of one sequence, context {roof.context:,}: "
                         f"{hw.memory_bandwidth_gbps:.0f} GB/s{measured} per node, {hw.link_latency_us:.0f} us "
                         f"per all-reduce", title_justify="left")
     table.add_column("step", no_wrap=True)
@@ -173,12 +195,26 @@ def _roofline_table(plan: Plan) -> Table:
     return table
 
 
+def _sequences(n: int) -> str:
+    return f"{n:,} sequence" + ("" if n == 1 else "s")
+
+
 def _verdict(plan: Plan) -> str:
     limit = plan.model_max_context_tokens
     by_memory = plan.max_context_tokens_by_memory
     limited = f"memory allows {by_memory:,}" + (f", the model takes {limit:,}" if limit else "")
-    lines = [f"{plan.verdict}: longest context {plan.max_context_tokens:,} tokens x batch {plan.batch} ({limited})"]
-    if not plan.fits:
+    b = plan.batching
+    lines = [f"{plan.verdict}: longest context {plan.max_context_tokens:,} tokens ({limited})",
+             f"KV cache: {plan.kv_blocks:,} blocks of {b.block_size} tokens ({plan.kv_tokens:,} tokens) on every rank, "
+             f"{_sequences(plan.sequences)} of {plan.context:,} tokens at once"]
+    if plan.fits and not plan.max_num_seqs_fit:
+        room = min(r.sequences_by_memory for r in plan.ranks)
+        lines.append(f"only {_sequences(room)} of {plan.context:,} tokens fit at once, not --max-num-seqs "
+                     f"{b.max_num_seqs}: the rest wait, or are preempted at full length")
+    problem = plan.kv_request_problem
+    if problem is not None:
+        lines.append(f"--kv-cache-tokens: {problem}")
+    elif not plan.fits:
         worst = min(plan.ranks, key=lambda r: r.free_bytes)
         lines.append(f"rank {worst.rank} ({worst.node}) needs {gib(worst.total_bytes)} of {gib(worst.capacity_bytes)}"
                      f" ({gib(-worst.free_bytes)} over)")

@@ -56,8 +56,8 @@ def plan_run(run: RunConfig, *, world_size: int | None = None, tp: int | None = 
         hardware = hardware_preset(run.hardware or ("dgx-spark" if run.topology else "cpu-host"))
     if nodes is None:
         nodes = [Node("this machine", hardware.node_memory_bytes())]
-    return make_plan(run.target, drafter=run.drafter, nodes=nodes, tp=tp, context=run.context, batch=run.batch,
-                     hardware=hardware, dtype=run.dtype, prefill_chunk=run.prefill_chunk,
+    return make_plan(run.target, drafter=run.drafter, nodes=nodes, tp=tp, context=run.context,
+                     batching=run.batching, hardware=hardware, dtype=run.dtype, prefill_chunk=run.prefill_chunk,
                      draft_len=run.draft_len, acceptance=acceptance)
 
 
@@ -83,6 +83,7 @@ _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def check_before_load(run: RunConfig, world_size: int | None = None) -> Plan:
-    """The plan for `run` with `world_size` ranks launched; raises `DoesNotFit` unless it fits."""
+    """The plan for `run` with `world_size` ranks launched; raises `DoesNotFit` unless it fits
+    (a one-line ConfigError when only `kv_cache_tokens` is too many)."""
     run = run.with_overrides(dtype=_DTYPE_NAMES.get(run.dtype, run.dtype))
     return plan_run(run, world_size=world_size).check()

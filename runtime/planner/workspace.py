@@ -1,21 +1,22 @@
 """Activations and scratch memory: an estimate, sized for the largest forward the run does.
 
-The largest forward is a prefill chunk of `prefill_chunk` tokens for each of `batch`
-sequences (decode and verify forwards are smaller as long as draft_len + 1 <= prefill_chunk).
-Per rank, in the activation dtype unless noted:
+The largest target forward is one step of `rows` rows: --max-num-batched-tokens for `serve`
+(decode, draft and prompt rows of many sequences together), a prefill chunk for `generate`
+(one sequence). Per rank, in the activation dtype unless noted:
 - hidden states: residual, normed input, attention output, MLP output: 4 * n * H;
 - attention: local q, k, v and the attention output: n * (2 * q_local + 2 * kv_local);
-- the causal mask of a multi-token forward, [chunk, context] bool, and the additive mask the
-  fused attention kernel makes of it in the activation dtype: batch * chunk * context * (1 + a)
-  (the fused kernel never materialises scores); and the rotary cos / sin tables the model
-  builds for every position it may reach: 2 * context * head_dim * a. These two grow with the
-  context;
+- what attention builds per (row, key), each row reading up to `context` keys: for the
+  runtime's paged attention one int64 cache slot, about six such lists alive while they are
+  built (batch.py `key_lists`): rows * context * KEY_LIST_BYTES; for an EAGLE-3 head or a
+  transformers drafter a causal mask and the additive mask made of it: rows * context * (1 + a).
+  And the rotary cos / sin tables for every position the model may reach:
+  2 * context * head_dim * a. These two grow with the context;
 - MLP: gate, up and their product: 3 * n * I_local; MoE: the same per routed token
   (n * k rows of moe_intermediate / tp) plus float32 router logits n * E;
 - NVFP4 scratch: one dequantised weight tile (the kernel's `TILE_ELEMENTS`, float32) and
   float32 copies of the widest layer's input and output;
-- logits, float32: every rank's vocabulary shard for the tokens that need logits, and on
-  rank 0 the gathered full vocabulary.
+- logits, float32: every rank's vocabulary shard for the rows that need logits (each running
+  sequence's pending token and drafts), and on rank 0 the gathered full vocabulary.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hetero_run.runtime.planner.kv import kv_heads_per_rank
 from hetero_run.runtime.planner.shape import ModelShape
 
 FP32 = 4
+KEY_LIST_BYTES = 6 * 8  # int64 slots per (row, key): key_slots and its temporaries at their peak
 
 
 @dataclass(frozen=True)
@@ -44,10 +46,12 @@ class Workspace:
                          self.per_context_token_bytes + other.per_context_token_bytes)
 
 
-def workspace(shape: ModelShape, tensors: list[RankTensor], *, tp: int, batch: int, chunk: int,
-              logits_tokens: int, act_dtype: torch.dtype, gathers_logits: bool) -> Workspace:
+def workspace(shape: ModelShape, tensors: list[RankTensor], *, tp: int, rows: int, logits_rows: int,
+              act_dtype: torch.dtype, gathers_logits: bool, paged: bool = True) -> Workspace:
+    """The scratch of a forward of `rows` rows of which `logits_rows` need logits; `paged`: the
+    runtime's paged attention (key lists), else a masked attention."""
     a = act_dtype.itemsize
-    n = batch * chunk
+    n = rows
     h = shape.attention_input_size
     q_local, kv_local = shape.q_size // tp, kv_heads_per_rank(shape, tp) * shape.head_dim
     fixed = 4 * n * h * a + n * (2 * q_local + 2 * kv_local) * a
@@ -60,11 +64,11 @@ def workspace(shape: ModelShape, tensors: list[RankTensor], *, tp: int, batch: i
         fixed += n * 3 * shape.target_hidden_size * a  # the fused target features it reads
     fixed += _nvfp4_scratch(tensors, n)
     vocab = shape.draft_vocab_size if shape.eagle3 else shape.vocab_size
-    rows = batch * logits_tokens
-    fixed += rows * -(-vocab // tp) * FP32
+    fixed += logits_rows * -(-vocab // tp) * FP32
     if gathers_logits and tp > 1:
-        fixed += rows * vocab * FP32
-    return Workspace(int(fixed), batch * chunk * (1 + a) + 2 * shape.head_dim * a)
+        fixed += logits_rows * vocab * FP32
+    per_key = KEY_LIST_BYTES if paged else 1 + a
+    return Workspace(int(fixed), rows * per_key + 2 * shape.head_dim * a)
 
 
 def _nvfp4_scratch(tensors: list[RankTensor], rows: int) -> int:

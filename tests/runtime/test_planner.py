@@ -1,5 +1,6 @@
 """The memory plan and roofline: presets against the published arithmetic, the per-tensor
-rules on a hand-made checkpoint, the longest context, the roofline formulas, bad input."""
+rules on a hand-made checkpoint, the KV cache in blocks, the longest context, the roofline
+formulas, bad input."""
 
 from __future__ import annotations
 
@@ -11,8 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from hetero_run.runtime.checkpoint import QuantConfig
-from hetero_run.runtime.config import RunConfig
-from hetero_run.runtime.models.kv_cache import DEFAULT_BLOCK_SIZE
+from hetero_run.runtime.config import BatchingConfig, RunConfig
 from hetero_run.runtime.planner import (
     DoesNotFit,
     Node,
@@ -50,7 +50,8 @@ def eagle3():
 @pytest.fixture(scope="module")
 def dual_plan(qwen235, eagle3):
     nodes, tp = topology_nodes(str(DUAL))
-    return make_plan(qwen235, drafter=eagle3, nodes=nodes, tp=tp, hardware="dgx-spark", context=32768)
+    return make_plan(qwen235, drafter=eagle3, nodes=nodes, tp=tp, hardware="dgx-spark", context=32768,
+                     batching=BatchingConfig(max_num_seqs=8))
 
 
 def test_qwen3_235b_preset_matches_the_published_arithmetic(qwen235):
@@ -73,17 +74,17 @@ def test_two_sparks_fit_with_62_4_gib_of_weights_per_node(dual_plan):
     for r in plan.ranks:
         assert r.weights_bytes / GiB == pytest.approx(62.4, rel=0.01)
         assert r.kv_bytes_per_token == 94 * 1024  # 94 KiB per token per node in bf16
-        assert r.kv_bytes == 94 * 1024 * 32768
+        assert r.kv_block_bytes == 16 * 94 * 1024
+        assert r.blocks_per_sequence == 2048 and r.kv_blocks == 8 * 2048  # --max-num-seqs 8 of 32K
+        assert r.kv_bytes == 8 * 94 * 1024 * 32768
         assert r.capacity_bytes == 119 * GiB
         assert r.kv_room_bytes > 40 * GiB  # tens of GiB left for KV per node
+        assert r.max_num_seqs_fit and r.sequences == 8 < r.sequences_by_memory
     assert plan.ranks[0].drafter_bytes > 0 and plan.ranks[1].drafter_bytes == 0
+    # the head's own KV (one layer, 4 KV heads of 128, bf16) and one fused feature row per
+    # position, for each of the 8 sequences
+    assert plan.ranks[0].drafter_kv_bytes == (2 * 4 * 128 * 2 + 4096 * 2) * 32768 * 8
     # the EAGLE-3 head from its shape: fc + one 2H-input layer + norms + 32000-row head + d2t/t2d,
-    # plus the half of the target's embedding rank 1 holds (the head embeds through it): 0.58 GiB
-    assert plan.ranks[0].drafter_weights_bytes / GiB == pytest.approx(1.10 + 0.58, abs=0.01)
-    assert plan.max_context_tokens == 40960  # the model's limit, memory allows more
-    assert plan.max_context_tokens_by_memory > 40960
-
-
 def test_one_spark_does_not_fit_and_check_refuses_with_the_plan(qwen235, eagle3):
     nodes, tp = topology_nodes(str(SINGLE))
     plan = make_plan(qwen235, drafter=eagle3, nodes=nodes, tp=tp, context=32768)
@@ -103,24 +104,122 @@ def test_single_node_fallback_of_the_dual_topology_plans_tp1(qwen235):
 
 def test_longest_context_is_exact(qwen235, eagle3):
     nodes = [Node("a", 72 * GiB), Node("b", 72 * GiB)]
-    plan = make_plan(qwen235, drafter=eagle3, nodes=nodes, tp=2, hardware="dgx-spark", context=1024)
+    batching = BatchingConfig(max_num_seqs=4)
+    plan = make_plan(qwen235, drafter=eagle3, nodes=nodes, tp=2, hardware="dgx-spark", context=1024,
+                     batching=batching)
     longest = plan.max_context_tokens_by_memory
     assert 0 < longest < 40960, longest
-    at = make_plan(qwen235, drafter=eagle3, nodes=nodes, tp=2, hardware="dgx-spark", context=longest)
-    over = make_plan(qwen235, drafter=eagle3, nodes=nodes, tp=2, hardware="dgx-spark", context=longest + 1)
+    at = make_plan(qwen235, drafter=eagle3, nodes=nodes, tp=2, hardware="dgx-spark", context=longest,
+                   batching=batching)
+    over = make_plan(qwen235, drafter=eagle3, nodes=nodes, tp=2, hardware="dgx-spark", context=longest + 1,
+                     batching=batching)
     assert at.fits and not over.fits
     assert at.max_context_tokens == longest
+    # at the longest context one sequence's blocks just fit the tightest rank: fewer than 4
+    assert at.sequences == 1 and not at.max_num_seqs_fit
+    assert min(r.kv_blocks_by_memory for r in at.ranks) == at.kv_blocks == -(-longest // 16)
     assert min(r.free_bytes for r in at.ranks) >= 0 > min(r.free_bytes for r in over.ranks)
-    # what is left is less than one more block of the KV cache needs
-    assert min(r.free_bytes for r in at.ranks) < DEFAULT_BLOCK_SIZE * at.ranks[0].per_context_token_bytes
+    with pytest.raises(DoesNotFit):
+        over.check()
 
 
-def test_batch_multiplies_the_kv_cache(qwen235):
+def test_max_num_seqs_sizes_the_kv_cache(qwen235):
     nodes = [Node("a", 119 * GiB), Node("b", 119 * GiB)]
-    one = make_plan(qwen235, nodes=nodes, tp=2, context=8192, batch=1)
-    four = make_plan(qwen235, nodes=nodes, tp=2, context=8192, batch=4)
+    one = make_plan(qwen235, nodes=nodes, tp=2, context=8192, batching=BatchingConfig(max_num_seqs=1))
+    four = make_plan(qwen235, nodes=nodes, tp=2, context=8192, batching=BatchingConfig(max_num_seqs=4))
+    assert one.kv_blocks == 512 and four.kv_blocks == 4 * 512
     assert four.ranks[1].kv_bytes == 4 * one.ranks[1].kv_bytes
-    assert four.max_context_tokens_by_memory < one.max_context_tokens_by_memory // 3
+    assert (one.sequences, four.sequences) == (1, 4)
+    # the room is the same: the KV cache does not count against itself
+    assert four.ranks[1].kv_blocks_by_memory == one.ranks[1].kv_blocks_by_memory
+    # more sequences than the room holds: the cache takes all the room of the tightest rank
+    many = make_plan(qwen235, nodes=nodes, tp=2, context=8192, batching=BatchingConfig(max_num_seqs=256))
+    room = min(r.kv_blocks_by_memory for r in many.ranks)
+    assert many.fits and many.kv_blocks == room and many.sequences == room // 512 < 256
+    assert not many.max_num_seqs_fit and "only" in many.render()
+    tight = min(many.ranks, key=lambda r: r.kv_blocks_by_memory)
+    assert 0 <= tight.free_bytes < tight.kv_block_bytes  # not one more block fits
+
+
+def test_kv_blocks_are_the_room_over_the_block_bytes(qwen235, eagle3):
+    nodes, tp = topology_nodes(str(DUAL))
+    for block_size in (16, 32):
+        plan = make_plan(qwen235, drafter=eagle3, nodes=nodes, tp=tp, context=32768,
+                         batching=BatchingConfig(max_num_seqs=8, block_size=block_size))
+        for r in plan.ranks:
+            room = r.capacity_bytes - (r.weights_bytes + r.drafter_bytes + r.activation_bytes + r.reserved_bytes
+                                       + r.overhead_bytes)
+            assert r.kv_room_bytes == room
+            assert r.kv_blocks_by_memory == room // (block_size * 94 * 1024)
+            assert r.kv_blocks == 8 * 32768 // block_size
+
+
+def test_kv_cache_tokens_asks_for_a_cache_and_too_many_is_one_line(qwen235):
+    nodes = [Node("a", 119 * GiB), Node("b", 119 * GiB)]
+    plan = make_plan(qwen235, nodes=nodes, tp=2, context=8192,
+                     batching=BatchingConfig(kv_cache_tokens=100_000))
+    assert plan.fits and plan.kv_blocks == 6250 and plan.kv_tokens == 100_000 and plan.sequences == 12
+    odd = make_plan(qwen235, nodes=nodes, tp=2, context=8192, batching=BatchingConfig(kv_cache_tokens=100_001))
+    assert odd.kv_blocks == 6251  # whole blocks: what KVCache(max_tokens=100_001) holds
+    room = min(r.kv_blocks_by_memory for r in plan.ranks) * 16
+    exact = make_plan(qwen235, nodes=nodes, tp=2, context=8192, batching=BatchingConfig(kv_cache_tokens=room))
+    assert exact.fits and exact.check() is exact
+    over = make_plan(qwen235, nodes=nodes, tp=2, context=8192, batching=BatchingConfig(kv_cache_tokens=room + 16))
+    assert not over.fits
+    with pytest.raises(ConfigError, match=r"kv_cache_tokens: .* tokens \(.* blocks of 16\) do not fit: rank \d "
+                                          r"\(\w\) has room for .* blocks") as info:
+        over.check()
+    assert "\n" not in str(info.value) and info.value.exit_code == 2
+    assert "--kv-cache-tokens" in over.render()
+    with pytest.raises(ConfigError, match="kv_cache_tokens: 4,096 tokens hold less than one sequence of the "
+                                          r"context \(8,192 tokens: 512 blocks of 16\)"):
+        make_plan(qwen235, nodes=nodes, tp=2, context=8192, batching=BatchingConfig(kv_cache_tokens=4096))
+
+
+def test_workspace_is_sized_for_the_step_rows(qwen235):
+    nodes = [Node("a", 119 * GiB), Node("b", 119 * GiB)]
+
+    def activations(rows: int, context: int) -> int:
+        plan = make_plan(qwen235, nodes=nodes, tp=2, context=context,
+                         batching=BatchingConfig(max_num_seqs=1, max_num_batched_tokens=rows))
+        return plan.ranks[1].activation_bytes
+
+    assert activations(1024, 4096) > activations(512, 4096) > activations(16, 4096)
+    # the paged attention's key lists: 48 bytes per (row, key) on top of the rotary tables
+    grows = activations(512, 8192) - activations(512, 4096)
+    assert grows == 4096 * (512 * 48 + 2 * 128 * 2)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("max_num_seqs", 0, "max_num_seqs: must be a whole number >= 1, got 0"),
+    ("block_size", -16, "block_size: must be a whole number >= 1, got -16"),
+    ("max_num_batched_tokens", 4, r"max_num_batched_tokens: must be >= max_num_seqs \(8\), got 4"),
+    ("kv_cache_tokens", 8, "kv_cache_tokens: must be a whole number >= 16, got 8"),
+    ("max_num_seqs", 2.5, "max_num_seqs: must be a whole number >= 1, got 2.5"),
+])
+def test_bad_batching_is_one_line(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        BatchingConfig(**{field: value})
+
+
+def test_qwen3_235b_on_two_sparks_sequences_that_fit(qwen235, eagle3, capsys):
+    """The figures docs/planner.md quotes: per rank, how many 8K and 32K sequences fit at once
+    (printed with the test's output)."""
+    nodes, tp = topology_nodes(str(DUAL))
+    fit = {}
+    for context in (8192, 32768):
+        plan = make_plan(qwen235, drafter=eagle3, nodes=nodes, tp=tp, context=context,
+                         batching=BatchingConfig(max_num_seqs=8))
+        fit[context] = [r.sequences_by_memory for r in plan.ranks]
+        with capsys.disabled():
+            for r in plan.ranks:
+                print(f"\nQwen3-235B on two Sparks, {context:,}-token sequences: rank {r.rank} ({r.node}) has "
+                      f"{r.kv_room_bytes / GiB:.2f} GiB of KV room = {r.kv_blocks_by_memory:,} blocks of 16: "
+                      f"{r.sequences_by_memory} sequences at once")
+        assert plan.fits and plan.max_num_seqs_fit
+    # 45-49 GiB of room per node at 94 KiB per token: about 500,000 tokens. Rank 0 also holds the
+    # EAGLE-3 head and its KV for the 8 sequences, so it has less room than rank 1
+    assert fit == {8192: [64, 67], 32768: [15, 16]}
 
 
 # --- per-tensor rules on a checkpoint written here --------------------------------------------
@@ -267,13 +366,15 @@ def test_run_config_file_relative_paths_and_overrides(tmp_path):
     (tmp_path / "t.yaml").write_text(DUAL.read_text())
     run_file = tmp_path / "run.yaml"
     run_file.write_text("target: qwen3-235b-a22b-nvfp4\ndrafter: eagle3-qwen3-235b\ntopology: t.yaml\n"
-                        "context: 16384\nbatch: 1\n")
+                        "context: 16384\nmax_num_seqs: 2\nblock_size: 32\n")
     run = RunConfig.load(run_file)
-    assert run.with_overrides(context=4096, batch=None).context == 4096
+    assert run.with_overrides(context=4096, max_num_seqs=None).context == 4096
+    assert run.batching == BatchingConfig(max_num_seqs=2, block_size=32)
     assert relative_to_file(run).topology == str(tmp_path / "t.yaml")
     assert relative_to_file(run).target == "qwen3-235b-a22b-nvfp4"  # a preset, not a path
     plan = plan_run(run)
     assert plan.fits and plan.tp == 2 and plan.context == 16384 and plan.hardware.name == "dgx-spark"
+    assert plan.kv_blocks == 2 * 16384 // 32
     single = plan_run(run, world_size=1)  # one rank launched on the two-node topology: fallback
     assert single.tp == 1 and not single.fits
 
@@ -283,6 +384,9 @@ def test_run_config_file_relative_paths_and_overrides(tmp_path):
     ("target: x\ncontext: lots\n", r"run.yaml:2: context: .*'lots'"),
     ("drafter: x\n", r"run.yaml:1: .*'target'"),
     ("target: [1, 2\n", r"run.yaml:\d+: invalid YAML"),
+    ("target: x\nmax_num_seqs: 0\n", r"run.yaml:2: max_num_seqs: must be a whole number >= 1"),
+    ("target: x\nblock_size: 16\nkv_cache_tokens: 8\n", r"run.yaml:3: kv_cache_tokens: .*>= 16, got 8"),
+    ("target: x\nbatch: 2\n", r"run.yaml:2: batch: unknown key"),
 ])
 def test_run_config_errors_name_file_line_and_field(tmp_path, text, message):
     path = tmp_path / "run.yaml"
