@@ -272,6 +272,14 @@ c10::TypedOperatorHandle<DenseOp>& dense_op() {
   return op;
 }
 
+Tensor to_bf16(const Tensor& x) {  // rounded to nearest even, as Tensor.to(bfloat16) does
+  Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  const float* xd = x.data_ptr<float>();
+  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t e = 0; e < x.numel(); ++e) narrow(xd[e], od + e);
+  return out;
+}
+
 struct Proj {
   Tensor w, codes, scales, row_scale, bias;
   bool bf16_x = false;
@@ -282,7 +290,7 @@ struct Proj {
   // x f32 [n, in] contiguous -> f32 [n, out] contiguous, bias added
   Tensor operator()(const Tensor& x) const {
     Tensor y = codes.defined() ? nvfp4_op().call(x, codes, scales, row_scale, 0)
-                               : dense_op().call(bf16_x ? x.to(at::kBFloat16) : x, w, 0);
+                               : dense_op().call(bf16_x ? to_bf16(x) : x, w, 0);
     if (y.scalar_type() != at::kFloat) y = y.to(at::kFloat);
     y = y.contiguous();
     if (bias.defined()) {

@@ -146,6 +146,10 @@ def write(dest: Path, step_weights, tokenizer, config, source: Path, weights: st
         if config is not None:
             config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        mask = os.umask(0)
+        os.umask(mask)
+        for p in tmp.iterdir():  # readable as any other file this process writes (safetensors makes 0600)
+            os.chmod(p, 0o666 & ~mask)
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
         manifest = {"format": FORMAT, "weights": weights, "dtype": DTYPE_NAMES[dtype],
                     "source": _fingerprint(source, with_hash=source.is_file()), "files": files}

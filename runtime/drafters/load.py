@@ -126,30 +126,57 @@ def _transformers_model(path: Path, dtype: torch.dtype):
 
 def _convert(path: Path, dtype: torch.dtype, weights: str, loaded: dict):
     """(StepWeights, tokenizer, transformers config) for a fast architecture, else None (and
-    what it loaded stays in `loaded` for the transformers path)."""
+    what it loaded stays in `loaded` for the transformers path). `loaded` keeps the float32
+    weights too, for converting the same source to another kind."""
     from hetero_run.runtime.drafters import weights as draft_weights
     from hetero_run.runtime.models.loader import load_model
 
-    tokenizer = loaded["tokenizer"] = load_tokenizer(path)
-    if path.is_dir():  # the runtime reads the safetensors (bf16, float32 or ModelOpt NVFP4) itself
-        from transformers import AutoConfig
+    if "float32" not in loaded:
+        loaded["tokenizer"] = load_tokenizer(path)
+        if path.is_dir():  # the runtime reads the safetensors (bf16, float32 or ModelOpt NVFP4) itself
+            from transformers import AutoConfig
 
-        config, source = AutoConfig.from_pretrained(str(path)), path
-    else:
-        model = loaded["hf"] = _transformers_model(path, torch.float32)
-        config, source = model.config, model
-    if config.model_type not in FAST_ARCHITECTURES:
-        return None
+            config, source = AutoConfig.from_pretrained(str(path)), path
+        else:
+            model = loaded["hf"] = _transformers_model(path, torch.float32)
+            config, source = model.config, model
+        loaded["config"] = config
+        if config.model_type not in FAST_ARCHITECTURES:
+            return None
+        runtime_model = load_model(source, max_tokens=1, dtype=torch.float32 if path.is_file() else "auto")
+        loaded["float32"] = draft_weights.from_model(runtime_model, torch.float32)
+        loaded.pop("hf", None)
     started = time.perf_counter()
-    runtime_model = load_model(source, max_tokens=1, dtype=torch.float32 if path.is_file() else "auto")
-    step_weights = draft_weights.from_model(runtime_model, torch.float32)
+    step_weights = loaded["float32"]
     if weights == "nvfp4":
         step_weights = draft_weights.quantize(step_weights)
     step_weights = draft_weights.cast(step_weights, dtype)
     log.info("drafter %s: converted for the fast drafter (%s weights) in %.1f s", path.name, weights,
              time.perf_counter() - started)
-    loaded.pop("hf", None)
-    return step_weights, tokenizer, config
+    return step_weights, loaded["tokenizer"], loaded["config"]
+
+
+def prepare_drafter(path: str | Path, kinds: tuple[str, ...] = WEIGHTS, dtype: torch.dtype = torch.bfloat16,
+                    cache_root: str | Path | None = None) -> dict[str, tuple[Path, str]]:
+    """Make the fast drafter's converted checkpoints of `path` for each projection kind (one
+    read of the source for all): {kind: (directory, "verified" | "converted")}; empty for an
+    architecture the fast drafter does not run."""
+    path = Path(path)
+    _from_pretrained_args(path)
+    loaded: dict = {}
+    out = {}
+    for kind in kinds:
+        made = []
+
+        def convert(kind=kind, made=made):
+            made.append(kind)
+            return _convert(path, dtype, kind, loaded)
+
+        converted = cache.converted(path, kind, dtype, convert, None if cache_root is None else Path(cache_root))
+        if converted is None:
+            return {}
+        out[kind] = (converted, "converted" if made else "verified")
+    return out
 
 
 def _fast(converted: Path, dtype: torch.dtype, weights: str, slots: int, max_tokens: int, begin: float,
