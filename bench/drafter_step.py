@@ -10,6 +10,9 @@ interleaved so that a passing load spike hits every figure alike, the median of 
 - the target's decode step (one token, the cache rolled back after each);
 - the drafter's decode step, one row, and one row for each of k sequences in one batched
   forward (k = 2, 4, 8 slots), per projection kind in `--weights`;
+- its projections alone: the step's 121 linear products (4 per layer and the head) called back
+  to back through the same registered ops on one row, nothing between them: what the step
+  costs beyond them is its overhead;
 - with `--baseline`, the same drafter through the runtime's model code, one PyTorch operation
   at a time (what the drafter ran before the compiled step);
 - the memory bandwidth, as bench/target_decode.py measures it: torch's sum over the target's
@@ -98,6 +101,7 @@ def _run(args, kinds: list[str]) -> None:
 
     figures = {"target": target_step}
     for kind, network in drafters.items():
+        figures[f"{kind} linear"] = _linear_only(network.weights)
         for k in (1, *BATCHES):
             rows = torch.arange(k)
             figures[f"{kind} x{k}"] = (lambda n=network, r=rows: n.forward(torch.full((r.numel(),), 7), r,
@@ -132,7 +136,8 @@ def _run(args, kinds: list[str]) -> None:
     for kind, network in drafters.items():
         weights_bytes, read = network.weights.decode_nbytes(), network.decode_nbytes(context)
         entry = {"load_s": loads[kind], "weight_bytes": weights_bytes, "kv_bytes": read - weights_bytes,
-                 "bytes": read, "roofline_ms": read / gbps / 1e6, "ms": {}, "c": ms[f"{kind} x1"] / ms["target"]}
+                 "bytes": read, "roofline_ms": read / gbps / 1e6, "ms": {}, "c": ms[f"{kind} x1"] / ms["target"],
+                 "linear_ms": ms[f"{kind} linear"]}
         for k in (1, *BATCHES):
             entry["ms"][k] = ms[f"{kind} x{k}"]
         if kind in baselines:
@@ -141,6 +146,21 @@ def _run(args, kinds: list[str]) -> None:
     _print(report)
     if args.json:
         print(json.dumps(report))
+
+
+def _linear_only(weights):
+    """The step's projections on one row, back to back, through the ops the compiled step calls."""
+    from hetero_run.kernels.drafter_step import project
+
+    projections = [p for layer in weights.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    projections.append(weights.head)
+    inputs = [torch.randn(1, p.in_features) for p in projections]
+
+    def run():
+        for p, x in zip(projections, inputs, strict=True):
+            project(x, p)
+
+    return run
 
 
 def _ids(tokenizer, n: int) -> torch.Tensor:
@@ -191,16 +211,18 @@ def _print(r: dict) -> None:
     print(f"target (NVFP4, TP=1) decode step: {r['target_ms']:.2f} ms, reads {r['target_bytes'] / 1e6:.0f} MB "
           f"(roofline {r['target_bytes'] / r['bandwidth_gbps'] / 1e6:.2f} ms)")
     print(f"\n{'drafter':8} {'reads/step':>11} {'(weights + KV)':>16} {'roofline':>9} {'1 row':>8} {'x roof':>7} "
-          f"{'c':>6} " + " ".join(f"{f'{k} rows':>14}" for k in BATCHES) + f" {'per-op':>8} {'load':>6}")
+          f"{'c':>6} {'linear':>8} " + " ".join(f"{f'{k} rows':>14}" for k in BATCHES) + f" {'per-op':>8} {'load':>6}")
     for kind, d in r["drafters"].items():
         batched = " ".join(f"{d['ms'][k]:6.2f} ({d['ms'][k] / k:4.2f})" for k in BATCHES)
         per_op = f"{d['per_op_ms']:6.2f}ms" if "per_op_ms" in d else f"{'-':>8}"
         print(f"{kind:8} {d['bytes'] / 1e6:8.1f} MB {d['weight_bytes'] / 1e6:7.1f} + {d['kv_bytes'] / 1e6:4.1f} MB "
               f"{d['roofline_ms']:7.2f}ms {d['ms'][1]:6.2f}ms {d['ms'][1] / d['roofline_ms']:6.2f}x {d['c']:6.3f} "
-              f"{batched} {per_op} {d['load_s']:5.1f}s")
+              f"{d['linear_ms']:6.2f}ms {batched} {per_op} {d['load_s']:5.1f}s")
     print("\nms are medians over the rounds of each round's median step; k rows: one batched forward drafting one "
           "token for each of k sequences (ms per row in brackets); c = drafter 1-row step / target step; roofline = "
-          "bytes read per step / the bandwidth measured in this run")
+          "bytes read per step / the bandwidth measured in this run; linear = the step's projections alone (the "
+          "registered linear ops); per-op = the same drafter through the runtime model code, one PyTorch operation "
+          "at a time (--baseline)")
 
 
 if __name__ == "__main__":

@@ -149,8 +149,13 @@ def rotary_tables(inv_freq: torch.Tensor, max_positions: int) -> tuple[torch.Ten
 
 
 def compiled_available() -> bool:
-    lib = cpu_ext.ops()
-    return lib is not None and hasattr(torch.classes.hetero_run, "DraftStep")
+    if cpu_ext.ops() is None:
+        return False
+    try:  # a missing class raises RuntimeError, not AttributeError
+        torch.classes.hetero_run.DraftStep  # noqa: B018
+    except RuntimeError:
+        return False
+    return True
 
 
 class DraftStep:
