@@ -463,6 +463,8 @@ struct DraftStep : torch::CustomClassHolder {
       mask_c = mask->contiguous();
       mk = mask_c.data_ptr<bool>();
       mask_stride = mask_c.size(1);
+      for (int64_t r = 0; r < n; ++r)
+        TORCH_CHECK(mk[r * mask_stride + ix[r]], "row ", r, ": the mask hides the row's own index ", ix[r]);
     }
     if (k_cache.scalar_type() == at::kBFloat16) return run<uint16_t>(n, id, sl, ix, ps, mk, mask_stride, head[head_no]);
     return run<float>(n, id, sl, ix, ps, mk, mask_stride, head[head_no]);

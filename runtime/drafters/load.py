@@ -87,6 +87,9 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: 
         raise UserError(f"drafter weights must be dense or nvfp4, got {weights!r}", field="drafter_weights")
     if dtype not in cache.DTYPE_NAMES:
         raise UserError(f"the drafter runs in bf16 or float32, got {dtype}", field="dtype")
+    if slots < 1 or max_tokens < 1:
+        raise UserError(f"a drafter needs at least one slot of at least one token, got {slots} slot(s) of "
+                        f"{max_tokens}", field="slots" if slots < 1 else "max_tokens")
     path = Path(path)
     begin = time.perf_counter()
     if cache.is_converted(path):
