@@ -137,7 +137,7 @@ def _run(args, kinds: list[str]) -> None:
         weights_bytes, read = network.weights.decode_nbytes(), network.decode_nbytes(context)
         entry = {"load_s": loads[kind], "weight_bytes": weights_bytes, "kv_bytes": read - weights_bytes,
                  "bytes": read, "roofline_ms": read / gbps / 1e6, "ms": {}, "c": ms[f"{kind} x1"] / ms["target"],
-                 "linear_ms": ms[f"{kind} linear"]}
+                 "linear_ms": ms[f"{kind} linear"], "macs": _macs(network.weights)}
         for k in (1, *BATCHES):
             entry["ms"][k] = ms[f"{kind} x{k}"]
         if kind in baselines:
@@ -161,6 +161,12 @@ def _linear_only(weights):
             project(x, p)
 
     return run
+
+
+def _macs(weights) -> int:
+    """Multiply-adds of one row through every projection and the head."""
+    projections = [p for layer in weights.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return sum(p.out_features * p.in_features for p in [*projections, weights.head])
 
 
 def _ids(tokenizer, n: int) -> torch.Tensor:
@@ -218,6 +224,11 @@ def _print(r: dict) -> None:
         print(f"{kind:8} {d['bytes'] / 1e6:8.1f} MB {d['weight_bytes'] / 1e6:7.1f} + {d['kv_bytes'] / 1e6:4.1f} MB "
               f"{d['roofline_ms']:7.2f}ms {d['ms'][1]:6.2f}ms {d['ms'][1] / d['roofline_ms']:6.2f}x {d['c']:6.3f} "
               f"{d['linear_ms']:6.2f}ms {batched} {per_op} {d['load_s']:5.1f}s")
+    for kind, d in r["drafters"].items():
+        print(f"{kind}: the projections alone take {d['linear_ms']:.2f} ms for {d['macs'] / 1e6:.0f} M multiply-adds "
+              f"({d['macs'] / d['linear_ms'] / 1e6:.1f} GMAC/s, {d['weight_bytes'] / d['linear_ms'] / 1e6:.1f} GB/s); "
+              f"the step adds {d['ms'][1] - d['linear_ms']:+.2f} ms (norms, rotary, attention over {r['context']} "
+              "tokens, residuals)")
     print("\nms are medians over the rounds of each round's median step; k rows: one batched forward drafting one "
           "token for each of k sequences (ms per row in brackets); c = drafter 1-row step / target step; roofline = "
           "bytes read per step / the bandwidth measured in this run; linear = the step's projections alone (the "
