@@ -97,24 +97,43 @@ def load_drafter(path: str | Path, dtype: torch.dtype = torch.bfloat16, device: 
     _from_pretrained_args(path)  # a missing or unusable path is a one-line error before anything loads
     loaded: dict = {}
     if fast and device == "cpu":
-        def convert():
-            return _convert(path, dtype, weights, loaded)
+        root = None if cache_root in (None, True, False) else Path(cache_root)
+        if cache_root is not False and cache.valid(cache.location(path, weights, dtype, root), path, weights, dtype):
+            return _fast(cache.location(path, weights, dtype, root), dtype, weights, slots, max_tokens, begin,
+                         source=path)
+        if _architecture(path) in FAST_ARCHITECTURES:
+            def convert():
+                return _convert(path, dtype, weights, loaded)
 
-        if cache_root is False:
-            made = convert()
-            if made is not None:
-                return _fast_from(made[0], made[1], path, weights, slots, max_tokens, begin)
-        else:
-            root = None if cache_root in (None, True) else Path(cache_root)
-            converted = cache.converted(path, weights, dtype, convert, root)
-            if converted is not None:
-                return _fast(converted, dtype, weights, slots, max_tokens, begin, source=path)
+            if cache_root is False:
+                made = convert()
+                if made is not None:
+                    return _fast_from(made[0], made[1], path, weights, slots, max_tokens, begin)
+            else:
+                converted = cache.converted(path, weights, dtype, convert, root)
+                if converted is not None:
+                    return _fast(converted, dtype, weights, slots, max_tokens, begin, source=path)
     model = loaded.get("hf") or _transformers_model(path, dtype)
     network = HFDraftNetwork(model.to(device=device, dtype=dtype).eval(), slots, max_tokens)
     log.info("drafter %s: %s, %.0f M parameters, %s, transformers, %d slot(s), loaded in %.1f s", path.name,
              model.config.model_type, sum(p.numel() for p in model.parameters()) / 1e6,
              str(dtype).removeprefix("torch."), slots, time.perf_counter() - begin)
     return Drafter(None, loaded.get("tokenizer") or load_tokenizer(path), str(path), network)
+
+
+def _architecture(path: Path) -> str | None:
+    """The model type a GGUF file's header or a directory's config.json names (None if unreadable:
+    transformers then says what is wrong)."""
+    import json
+
+    try:
+        if path.is_file():
+            from hetero_run.runtime.planner.gguf_header import read_gguf_header
+
+            return read_gguf_header(path).metadata.get("general.architecture")
+        return json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, UserError):
+        return None
 
 
 def _transformers_model(path: Path, dtype: torch.dtype):
