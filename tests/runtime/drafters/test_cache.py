@@ -127,3 +127,26 @@ def test_a_converted_directory_without_its_files_is_a_clear_error(tmp_path):
     (copy / cache.WEIGHTS_FILE).unlink()
     with pytest.raises(Exception, match="incomplete converted drafter"):
         load_drafter(copy)
+
+
+def test_prepare_converts_every_kind_from_one_read_of_the_source(tmp_path, monkeypatch):
+    import transformers
+
+    from hetero_run.runtime.drafters.load import prepare_drafter
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    reads = []
+    original = transformers.AutoModelForCausalLM.from_pretrained
+
+    def counted(*args, **kwargs):
+        reads.append(args)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", counted)
+    made = prepare_drafter(gguf)
+    assert {k: s for k, (_, s) in made.items()} == {"dense": "converted", "nvfp4": "converted"} and len(reads) == 1
+    again = prepare_drafter(gguf)
+    assert {k: s for k, (_, s) in again.items()} == {"dense": "verified", "nvfp4": "verified"} and len(reads) == 1
+    for kind, (path, _) in again.items():
+        assert path == cache.location(gguf, kind, torch.bfloat16)
+        assert torch.equal(logits(load_drafter(gguf, weights=kind)), logits(load_drafter(path)))
