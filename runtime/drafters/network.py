@@ -53,7 +53,8 @@ class DraftNetwork:
         """From a runtime model at TP size 1 (its layer objects; weights shared, not copied)."""
         from hetero_run.runtime.drafters.weights import from_model, with_bf16_activations
 
-        return cls(with_bf16_activations(from_model(model)), slots, max_tokens or model.max_tokens, **kwargs)
+        max_tokens = max_tokens or getattr(model, "max_tokens", None) or 4096
+        return cls(with_bf16_activations(from_model(model)), slots, max_tokens, **kwargs)
 
     # ---------------------------------------------------------------- slots
 
