@@ -21,6 +21,11 @@ interleaved so that a passing load spike hits every figure alike, the median of 
 It prints what a drafter step reads (weights, and the keys and values of the context), what
 that costs at the bandwidth measured (the roofline), what the step takes, and c = drafter step
 / target step, the figure speculative decoding's speed-up depends on.
+
+On a machine other jobs share, elapsed times measure the queue for the cores as much as the
+step (and two threads that must meet at every operation wait for each other's turn):
+`--threads 1 --clock cpu` times everything, the bandwidth included, in this thread's CPU time,
+what it costs on a core of its own.
 """
 
 from __future__ import annotations
@@ -50,12 +55,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
     parser.add_argument("--steps", type=int, default=10, help="steps per figure per round (default 10)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="wall: elapsed time; cpu: this thread's CPU time, what a step costs on a core of its "
+                        "own when other jobs share the machine (needs --threads 1)")
     parser.add_argument("--baseline", action="store_true",
                         help="also time the drafter through the runtime model code, one operation at a time")
     parser.add_argument("--json", action="store_true", help="also print every figure as one JSON object")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.clock == "cpu" and torch.get_num_threads() != 1:
+        raise SystemExit("--clock cpu times this thread only: run it with --threads 1")
     kinds = [k.strip() for k in args.weights.split(",") if k.strip()]
     if not kinds or set(kinds) - {"nvfp4", "dense"}:
         raise SystemExit(f"--weights: expected nvfp4, dense or both, got {args.weights!r}")
@@ -116,20 +126,22 @@ def _run(args, kinds: list[str]) -> None:
         for _ in range(3):
             fn()
     samples: dict[str, list[float]] = {name: [] for name in figures}
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
     bandwidth = []
     with torch.inference_mode():
         for _ in range(args.rounds):
-            bandwidth.append(_stream_gbps(target.embed.weight))
+            bandwidth.append(_stream_gbps(target.embed.weight, clock))
             for name, fn in figures.items():
                 times = []
                 for _ in range(args.steps):
-                    begin = time.perf_counter()
+                    begin = clock()
                     fn()
-                    times.append(time.perf_counter() - begin)
+                    times.append(clock() - begin)
                 samples[name].append(statistics.median(times))
     ms = {name: 1e3 * statistics.median(v) for name, v in samples.items()}
     gbps = statistics.median(bandwidth)
-    report = {"threads": torch.get_num_threads(), "context": context, "compiled": compiled_available(),
+    report = {"threads": torch.get_num_threads(), "clock": args.clock, "context": context,
+              "compiled": compiled_available(),
               "cpu_features": cpu_ext.features(), "bandwidth_gbps": gbps,
               "bandwidth_range_gbps": [min(bandwidth), max(bandwidth)], "target_ms": ms["target"],
               "target_bytes": target.decode_nbytes(), "drafters": {}}
@@ -199,19 +211,19 @@ def _baselines(args, drafters: dict, tokens: int) -> dict:
     return out
 
 
-def _stream_gbps(t: torch.Tensor, repeats: int = 3) -> float:
+def _stream_gbps(t: torch.Tensor, clock=time.perf_counter, repeats: int = 3) -> float:
     """GB/s of torch's sum over `t` (far beyond the caches), best of `repeats` (bench/target_decode.py's way)."""
     best = float("inf")
     for _ in range(repeats):
-        begin = time.perf_counter()
+        begin = clock()
         t.sum()
-        best = min(best, time.perf_counter() - begin)
+        best = min(best, clock() - begin)
     return t.nbytes / best / 1e9
 
 
 def _print(r: dict) -> None:
     lo, hi = r["bandwidth_range_gbps"]
-    print(f"\n{r['threads']} threads, {r['context']} tokens of context, compiled step: "
+    print(f"\n{r['threads']} thread(s), {r['clock']} clock, {r['context']} tokens of context, compiled step: "
           f"{'yes' if r['compiled'] else 'no (PyTorch reference)'}; bandwidth {r['bandwidth_gbps']:.1f} GB/s "
           f"(median; {lo:.1f}-{hi:.1f} over the rounds)")
     print(f"target (NVFP4, TP=1) decode step: {r['target_ms']:.2f} ms, reads {r['target_bytes'] / 1e6:.0f} MB "
