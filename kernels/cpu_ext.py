@@ -1,15 +1,16 @@
 """The compiled CPU kernels (`csrc/*.cpp`): built on first use, cached, never required.
 
 `ops()` returns `torch.ops.hetero_run` with `nvfp4_linear`, `nvfp4_dequant`, `dense_linear`,
-`decode_attention`, `rms_norm` and `cpu_features`, or None when the library cannot be built or
+`decode_attention`, `paged_attention`, `rms_norm` and `cpu_features`, or None when the library cannot be built or
 loaded here (no compiler, no headers, unusual platform): callers then use the plain-PyTorch
 paths, after one warning.
 
 The build takes a few seconds with gcc and is cached under
 `$XDG_CACHE_HOME/hetero-run/torch-extensions/` (default `~/.cache`), one folder per torch
-version and per hash of the sources and flags, so checkouts with different sources on one
-machine never overwrite each other's library. A library built from the same sources and flags
-(the hash kept beside it) loads directly; otherwise torch's extension builder builds it. Set `HETERO_RUN_CPU_KERNELS=0` to skip it.
+version and per hash of the sources and flags: checkouts with different sources on one machine
+never overwrite each other's library. A library built from the same sources and flags (the
+hash kept beside it) loads directly; otherwise torch's extension builder builds it. Set
+`HETERO_RUN_CPU_KERNELS=0` to skip it.
 """
 
 from __future__ import annotations

@@ -39,6 +39,33 @@ def decode_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return torch.cat(out, dim=2)[0].transpose(0, 1)
 
 
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_slots: torch.Tensor,
+                    key_offsets: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [n, heads, d]; k, v [kv_heads, slots, d] (the cache, keys of the new rows already
+    written); key_slots [total] int64, key_offsets [n + 1] int64 -> [n, heads, d]. Row i attends,
+    in this order, to the cache slots key_slots[key_offsets[i]:key_offsets[i + 1]]; query head h
+    reads KV head h // (heads // kv_heads). Each row's result depends only on the keys it reads,
+    so a verify or tree row reading the keys a one-token decode reads gets the decode's bits."""
+    lib = cpu_ext.ops()
+    if (lib is not None and q.is_cpu and q.dtype in KERNEL_DTYPES and q.dtype == k.dtype == v.dtype
+            and k.stride(2) == 1 and v.stride(2) == 1 and k.stride(1) == v.stride(1)):
+        return lib.paged_attention(q.contiguous(), k, v, key_slots, key_offsets, scale)
+    return paged_attention_reference(q, k, v, key_slots, key_offsets, scale)
+
+
+def paged_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_slots: torch.Tensor,
+                              key_offsets: torch.Tensor, scale: float) -> torch.Tensor:
+    heads, kv_heads = q.shape[1], k.shape[0]
+    rows = q.transpose(0, 1)[None]  # [1, heads, n, d]
+    bounds = key_offsets.tolist()
+    out = []
+    for i in range(q.shape[0]):
+        slots = key_slots[bounds[i]:bounds[i + 1]].to(k.device)
+        out.append(F.scaled_dot_product_attention(rows[:, :, i:i + 1], k[None, :, slots], v[None, :, slots],
+                                                  scale=scale, enable_gqa=heads != kv_heads))
+    return torch.cat(out, dim=2)[0].transpose(0, 1)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [..., d] / sqrt(mean(x^2) + eps) * weight [d], in x's dtype (called ~50 times a token:
     the checks are kept to a few attribute reads)."""

@@ -82,3 +82,30 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     if generator is None:
         return probs.argmax(-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def keyed_noise(seed: int, position: int, vocab: int, device=None) -> torch.Tensor:
+    """[vocab] independent Exp(1) draws that depend only on (seed, position): the randomness of
+    the token at one position of one seeded request, however and with whatever else it is
+    decided. Token v wins the race argmax p_v / noise_v with probability exactly p_v (the
+    exponential race, the Gumbel-max trick in another form), so `sample_keyed` draws from p."""
+    generator = torch.Generator(device=device or "cpu")
+    generator.manual_seed((seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) % (1 << 63))
+    uniform = torch.rand(vocab, generator=generator, device=device)
+    return -torch.log1p(-uniform)  # Exp(1); 1 - u is never 0
+
+
+def sample_keyed(probs: torch.Tensor, seed: int, positions: list[int] | torch.Tensor,
+                 ids: torch.Tensor | None = None) -> torch.Tensor:
+    """probs [n, m] -> [n] draws, row i with the noise of (seed, positions[i]). `ids` [m] names
+    the target token each column stands for (a drafter's probabilities over part of the target's
+    vocabulary), so a drafter and the target racing over the same noise agree as often as their
+    distributions let them; by default column v is token v. Returns column indices."""
+    out = []
+    width = int(ids.max()) + 1 if ids is not None else probs.shape[-1]
+    for row, position in zip(probs, positions.tolist() if torch.is_tensor(positions) else positions, strict=True):
+        noise = keyed_noise(seed, int(position), width, row.device)
+        if ids is not None:
+            noise = noise[ids]
+        out.append(torch.argmax(row / noise))
+    return torch.stack(out) if out else torch.empty(0, dtype=torch.long)

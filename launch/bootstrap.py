@@ -44,6 +44,7 @@ class LaunchSettings:
     master_addr: str | None = None  # default: 127.0.0.1 on one host, else rank 0's address
     master_port: int | None = None  # default: a free port picked by rank 0
     env: Mapping[str, str] = field(default_factory=dict)  # applied before the group starts
+    signal_grace_s: float | None = None  # SIGINT/SIGTERM: how long unwinding may take (default min(peer timeout, 30))
 
     def __post_init__(self):
         if not self.peer_timeout_s > 0:
@@ -258,7 +259,8 @@ def launched(settings: LaunchSettings | None = None) -> Iterator[Dist]:
     import torch.distributed as tdist
 
     settings = settings or LaunchSettings()
-    with unwind_on_signals(grace_s=min(settings.peer_timeout_s, 30.0)):
+    grace_s = settings.signal_grace_s if settings.signal_grace_s is not None else min(settings.peer_timeout_s, 30.0)
+    with unwind_on_signals(grace_s=grace_s):
         dist = start(settings)
         peer_failed = aborting = False
         try:

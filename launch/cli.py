@@ -14,7 +14,7 @@ import sys
 from hetero_run.launch.log import get_logger, setup_logging
 from hetero_run.topology.errors import PeerFailure, UserError
 
-SUBCOMMANDS = ("doctor", "topology_cmd", "plan", "generate", "convert", "fetch")
+SUBCOMMANDS = ("doctor", "topology_cmd", "plan", "generate", "serve", "convert", "fetch")
 
 log = get_logger(__name__)
 

@@ -31,8 +31,7 @@ HELP = "generate text with the target, alone or with a speculative drafter (one 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, metavar="DIR|FILE.gguf",
-                        help="checkpoint directory (bf16 / fp32 / NVFP4 safetensors) or a GGUF file")
+    add_model_arguments(parser)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", metavar="TEXT", help="one prompt")
     source.add_argument("--prompts-file", metavar="FILE.jsonl", help='one {"prompt": ...} object per line')
@@ -44,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at end-of-sequence tokens")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """What loads and how it decodes: the flags `generate` and `serve` share."""
+    parser.add_argument("--target", required=True, metavar="DIR|FILE.gguf",
+                        help="checkpoint directory (bf16 / fp32 / NVFP4 safetensors) or a GGUF file")
     parser.add_argument("--dtype", default="auto", metavar="DTYPE",
                         help="activations, dense weights, KV cache: auto (bf16; fp32 for fp32 checkpoints and "
                         "GGUF files), bf16, fp32")
@@ -74,6 +79,8 @@ class GenerateConfig:
     drafter: str | None = None  # a path, or eagle3:DIR
     compare: bool = False
     embedding_split: str = "balanced"  # or "even" (loader.load_model)
+    kv_tokens: int | None = None  # paged KV cache slots on each rank; None: one sequence of `context`
+    block_size: int = 16  # tokens per KV cache block
 
     @property
     def algorithm(self) -> str:
@@ -87,6 +94,11 @@ class GenerateConfig:
                 raise ConfigError(f"must be >= 1, got {getattr(self, name)}", field="--" + name.replace("_", "-"))
         if self.context is not None and self.context < 2:
             raise ConfigError(f"must be >= 2, got {self.context}", field="--context")
+        if self.block_size < 1:
+            raise ConfigError(f"must be >= 1, got {self.block_size}", field="--block-size")
+        if self.kv_tokens is not None and self.kv_tokens < self.block_size:
+            raise ConfigError(f"must hold at least one block ({self.block_size} tokens), got {self.kv_tokens}",
+                              field="--kv-cache-tokens")
         if self.dtype not in ("auto", "bf16", "bfloat16", "fp32", "float32", "fp16", "float16"):
             raise ConfigError(f"expected auto, bf16 or fp32, got {self.dtype!r}", field="--dtype")
         if not self.target.exists():
@@ -145,6 +157,7 @@ class Decoder(Protocol):
     """What generates tokens for one prompt on rank 0: the target alone, or the speculative engine."""
 
     algorithm: str
+    sampling: object  # kernels.sampling.SamplingParams, read at every generate()
 
     def generate(self, prompt, max_new_tokens: int, stop_ids: set[int],
                  on_tokens: Callable[[list[int]], None]) -> dict:
@@ -185,12 +198,13 @@ class TargetOnly:
             logits = runner.forward(torch.tensor([token]), torch.tensor([n + step]))
 
 
-def make_decoder(config: GenerateConfig, runner, tokenizer=None, drafter=None) -> Decoder:
-    """The target alone, or the speculative engine when there is a drafter."""
+def make_decoder(config: GenerateConfig, runner, tokenizer=None, drafter=None, live: bool | None = None) -> Decoder:
+    """The target alone, or the speculative engine when there is a drafter. Both read
+    `decoder.sampling` at every generate() (the server sets it per request)."""
     if drafter is None:
         return TargetOnly(runner, config.sampling)
     return speculate.SpeculativeDecoder(runner, tokenizer, drafter, config.speculation, config.sampling,
-                                        live=not config.json)
+                                        live=not config.json if live is None else live)
 
 
 @dataclass
@@ -249,14 +263,23 @@ def encode(tokenizer, prompt: Prompt, chat: bool, target: Path) -> list[int]:
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise ConfigError("the target's tokenizer has no chat template", file=target, field="--chat")
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], add_generation_prompt=True,
-                                             tokenize=False)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = encode_chat(tokenizer, [{"role": "user", "content": prompt.text}])
     else:
-        ids = tokenizer(prompt.text)["input_ids"]
+        ids = encode_text(tokenizer, prompt.text)
     if not ids:
         raise ConfigError("the prompt is empty", field=prompt.where)
-    return list(ids)
+    return ids
+
+
+def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+    """A conversation through the target's chat template, ending with the assistant's turn."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Raw text, with the tokenizer's own special tokens (a BOS where it adds one)."""
+    return list(tokenizer(text)["input_ids"])
 
 
 def run_prompts(decoder: Decoder, tokenizer, prompts: list[Prompt], config: GenerateConfig, stop_ids: set[int],
@@ -350,6 +373,27 @@ def run(args: argparse.Namespace) -> int:
 
     log = get_logger(__name__)
     config = build_config(args)
+    plan = check_plan(config, args)
+    with launched(launch_settings(args)) as dist:
+        from hetero_run.runtime.runner import TargetRunner, serve_worker
+
+        loaded = load(config, args, dist, plan, read_inputs=lambda: read_prompts(args),
+                      what="read the prompts and tokenizer")
+        if not dist.is_driver:
+            serve_worker(loaded.model, loaded.ctx)
+            return 0
+        stop_ids = set() if config.ignore_eos else loaded.stop_ids
+        with TargetRunner(loaded.model, loaded.ctx) as runner:
+            decoder = make_decoder(config, runner, loaded.tokenizer, loaded.drafter)  # a bad pairing fails here
+            baseline = TargetOnly(runner, config.sampling) if config.compare else None
+            run_prompts(decoder, loaded.tokenizer, loaded.inputs, config, stop_ids, loaded.model.max_tokens,
+                        None if config.json else _write, lambda r: _report(r, config.json, log), baseline)
+    return 0
+
+
+def check_plan(config: GenerateConfig, args: argparse.Namespace):
+    """The memory plan, before any rank starts or any weight is read (DOES NOT FIT: exit 2)."""
+    from hetero_run.launch.log import get_logger
     from hetero_run.launch.settings import job_shape
     from hetero_run.runtime.config import RunConfig
     from hetero_run.runtime.planner import check_before_load
@@ -357,39 +401,51 @@ def run(args: argparse.Namespace) -> int:
     run_config = RunConfig(target=str(config.target), topology=getattr(args, "topology", None), context=config.context,
                            dtype=config.dtype, prefill_chunk=config.prefill_chunk,
                            drafter=config.drafter)
-    plan = check_before_load(run_config, world_size=job_shape()[1])  # no weight read yet
-    log.info("%s", plan.summary())
-    with launched(launch_settings(args)) as dist:
-        from hetero_run.runtime.models.loader import load_model
-        from hetero_run.runtime.models.parallel import ParallelContext
-        from hetero_run.runtime.runner import TargetRunner, serve_worker
+    plan = check_before_load(run_config, world_size=job_shape()[1])
+    get_logger(__name__).info("%s", plan.summary())
+    return plan
 
-        ctx = ParallelContext.from_dist(dist)
-        inputs = together(dist, "read the prompts and tokenizer",
-                          lambda: (read_prompts(args), load_tokenizer(config.target)) if dist.is_driver else None)
-        start = time.perf_counter()
-        split, pending = embedding_placement(config, plan, dist.rank)
-        model = together(dist, "load the target", lambda: load_model(
-            config.target, ctx, max_tokens=config.context, dtype=config.dtype, prefill_chunk=config.prefill_chunk,
-            embedding_split=split, pending_bytes=pending))
-        log.info("target %s: %s, TP=%d, %.2f GB of weights on rank %d (embedding rows %d..%d), KV cache %d tokens, "
-                 "loaded in %.1f s", config.target.name, model.config.arch, ctx.size, model.weight_nbytes / 1e9,
-                 ctx.rank, model.embed.first, model.embed.first + model.embed.rows - 1, model.max_tokens,
-                 time.perf_counter() - start)
-        prompts, tokenizer = inputs if dist.is_driver else (None, None)
-        drafter = together(dist, "load the drafter", lambda: speculate.load(
-            args, model, tokenizer, config.target, config.dtype) if dist.is_driver else None)
-        if not dist.is_driver:
-            serve_worker(model, ctx)
-            return 0
-        stop_ids = set() if config.ignore_eos else stop_token_ids(tokenizer, model.config, config.target)
-        with TargetRunner(model, ctx) as runner:
-            decoder = make_decoder(config, runner, tokenizer, drafter)  # a bad pairing fails here; workers get STOP
-            baseline = TargetOnly(runner, config.sampling) if config.compare else None
-            run_prompts(decoder, tokenizer, prompts, config, stop_ids, model.max_tokens,
-                        None if config.json else _write, lambda r: _report(r, config.json, log), baseline)
-    return 0
 
+@dataclass
+class Loaded:
+    """What `load` leaves on a rank: its shard of the target; on rank 0 also the tokenizer,
+    the drafter, the end-of-sequence ids and the inputs read with them."""
+
+    ctx: object  # runtime.models.parallel.ParallelContext
+    model: object  # runtime.models.decoder.TargetModel (this rank's shard)
+    tokenizer: object = None
+    drafter: object = None
+    stop_ids: set[int] = field(default_factory=set)
+    inputs: object = None
+
+
+def load(config: GenerateConfig, args: argparse.Namespace, dist, plan, read_inputs: Callable[[], object] = lambda: None,
+         what: str = "load the tokenizer") -> Loaded:
+    """Every rank: rank 0 reads its inputs and the tokenizer, every rank loads its shard of the
+    target, rank 0 loads the drafter. `generate` and `serve` both load through here; a bad
+    input on any rank stops every rank (exit status 2)."""
+    from hetero_run.launch.log import get_logger
+    from hetero_run.runtime.models.loader import load_model
+    from hetero_run.runtime.models.parallel import ParallelContext
+
+    log = get_logger(__name__)
+    ctx = ParallelContext.from_dist(dist)
+    inputs = together(dist, what, lambda: (read_inputs(), load_tokenizer(config.target)) if dist.is_driver else None)
+    start = time.perf_counter()
+    split, pending = embedding_placement(config, plan, dist.rank)
+    model = together(dist, "load the target", lambda: load_model(
+        config.target, ctx, max_tokens=config.context, dtype=config.dtype, prefill_chunk=config.prefill_chunk,
+        embedding_split=split, pending_bytes=pending, kv_tokens=config.kv_tokens, block_size=config.block_size))
+    log.info("target %s: %s, TP=%d, %.2f GB of weights on rank %d (embedding rows %d..%d), context %d tokens, "
+             "KV cache %d blocks of %d tokens, loaded in %.1f s", config.target.name, model.config.arch, ctx.size,
+             model.weight_nbytes / 1e9, ctx.rank, model.embed.first, model.embed.first + model.embed.rows - 1,
+             model.max_tokens, model.kv.num_blocks, model.kv.block_size, time.perf_counter() - start)
+    prompts, tokenizer = inputs if dist.is_driver else (None, None)
+    drafter = together(dist, "load the drafter", lambda: speculate.load(
+        args, model, tokenizer, config.target, config.dtype) if dist.is_driver else None)
+    if not dist.is_driver:
+        return Loaded(ctx, model)
+    return Loaded(ctx, model, tokenizer, drafter, stop_token_ids(tokenizer, model.config, config.target), prompts)
 
 
 def embedding_placement(config: GenerateConfig, plan, rank: int) -> tuple[str, int]:

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import threading
+from collections.abc import Callable
 from typing import NoReturn
 
 from hetero_run.launch.log import get_logger
@@ -56,6 +57,9 @@ class Heartbeat:
         self._stop = threading.Event()
         self._aborting = False
         self._departed: set[int] = set()
+        # called with the message just before the heartbeat ends the process for a lost peer, so a
+        # server can fail its requests first; it must return within a second or two
+        self.on_peer_lost: Callable[[str], None] | None = None
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
@@ -84,7 +88,7 @@ class Heartbeat:
             if self._stop.is_set():
                 log.debug("heartbeat during shutdown: %s", lost)
                 return
-            exit_now(f"{self.peers[lost.rank]} {lost.reason}; ending the job")
+            self._end(f"{self.peers[lost.rank]} {lost.reason}; ending the job")
 
     def _peer_aborted(self, rank: int) -> None:
         self._departed.add(rank)
@@ -93,7 +97,15 @@ class Heartbeat:
         if signal_seen.is_set():
             exit_now(f"waiting on {self.peers[rank]}, which left after the same signal; exiting", code=143)
         if not self._stop.wait(ABORT_GRACE_S):
-            exit_now(f"{self.peers[rank]} left the job after an error or a signal; ending the job")
+            self._end(f"{self.peers[rank]} left the job after an error or a signal; ending the job")
+
+    def _end(self, message: str) -> NoReturn:
+        if self.on_peer_lost is not None:
+            try:
+                self.on_peer_lost(message)
+            except Exception as exc:  # the process ends either way
+                log.debug("on_peer_lost failed: %s", exc)
+        exit_now(message)
 
     def _send(self, seq: int, flag: int, dst: int) -> None:
         import torch.distributed as tdist

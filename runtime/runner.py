@@ -1,19 +1,23 @@
 """The tensor-parallel target as seen from rank 0, and the loop the other ranks run.
 
-Rank 0 drives: every call on `TargetRunner` first broadcasts one small command to the worker
+Rank 0 drives: `TargetRunner.step(batch)` first broadcasts one small command to the worker
 ranks, then runs rank 0's own shard. Workers sit in `serve_worker`, which accepts only the
 commands below:
 
-    FORWARD  n target ids and their positions, num_logits  -> model.forward
-    TRUNCATE length                                         -> model.truncate
-    STOP                                                    -> return
+    STEP  a ForwardBatch (batch.py), packed as int64s  -> model.forward_batch
+    STOP                                               -> return
 
 Each command is one broadcast of HEADER int64s over the model's group (on its device, so NCCL
-groups work too): [command, n, arg, num_logits, ids..., positions...], the ids and positions
-inline for up to INLINE tokens (a decode step, a verify step); a longer forward (a prompt)
-sends them in a second broadcast of [2, n]. Arguments are checked on rank 0 before anything
-is sent, so a bad call raises there and never desynchronises the workers. At world size 1
-nothing is sent and the runner simply calls the model.
+groups work too): [command, payload length, payload...], the payload inline when it fits (a
+decode or verify step); a longer one (a prompt, a large batch) follows in a second broadcast.
+Workers keep no per-sequence state: rank 0 owns the block tables and sequence lengths, so
+rolling a sequence back sends nothing. A batch is checked on rank 0 before anything is sent,
+so a bad call raises there and never desynchronises the workers. At world size 1 nothing is
+sent and the runner simply calls the model.
+
+The runner also drives rank 0's one-sequence view of the cache (`forward` / `truncate` /
+`keep`, see one_sequence.py) through `step`, so the single-request paths run unchanged under
+tensor parallelism.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import logging
 
 import torch
 
+from hetero_run.runtime.models.batch import ForwardBatch
 from hetero_run.runtime.models.decoder import TargetModel
 from hetero_run.runtime.models.parallel import ParallelContext
 
@@ -30,17 +35,16 @@ log = logging.getLogger(__name__)
 
 
 class Command(enum.IntEnum):
-    FORWARD = 1
-    TRUNCATE = 2
-    STOP = 3
+    STEP = 1
+    STOP = 2
 
 
-INLINE = 16  # tokens whose ids and positions ride in the header
-HEADER = 4 + 2 * INLINE
+HEADER = 256  # int64s per command broadcast; payloads up to HEADER - 2 ride inline
 
 
 class TargetRunner:
-    """Rank 0's handle on the whole TP target: `forward`, `truncate`, `close`."""
+    """Rank 0's handle on the whole TP target: `step`, the one-sequence `forward` / `truncate` /
+    `keep`, and `close`."""
 
     def __init__(self, model: TargetModel, ctx: ParallelContext | None = None):
         self.model = model
@@ -49,46 +53,67 @@ class TargetRunner:
             raise ValueError("TargetRunner runs on rank 0; the other ranks run serve_worker")
         self._header = torch.zeros(HEADER, dtype=torch.int64, device=self.ctx.device)
         self.closed = False
+        self.sequence = model.sequence
+        self.sequence.run = self.step  # rank 0's one-sequence forwards now reach the workers too
 
     @property
     def length(self) -> int:
-        """Tokens in the target's KV cache."""
-        return self.model.length
+        """Tokens in the one-sequence cache."""
+        return self.sequence.length
 
     @property
     def max_tokens(self) -> int:
         return self.model.max_tokens
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                num_logits: int | None = None) -> torch.Tensor:
-        """ids, positions [n] -> logits [num_logits or n, vocab] (float32), appended to the cache
-        on every rank. Verifying k draft tokens: ids = [last accepted token, draft_1 .. draft_k]."""
-        n = input_ids.shape[0]
-        if n < 1 or input_ids.shape != positions.shape or not 1 <= (num_logits or n) <= n:
-            raise ValueError(f"bad forward: ids {tuple(input_ids.shape)}, positions {tuple(positions.shape)}, "
-                             f"num_logits {num_logits}")
-        self.model.kv.check_room(n)
+    @property
+    def block_size(self) -> int:
+        return self.model.kv.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.model.kv.num_blocks
+
+    def step(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Run `batch` on every rank -> the logits of its logits_rows (float32), or None when it
+        asks for none."""
+        if self.closed:
+            raise RuntimeError("the target runner is closed")
+        batch.check(self.model.kv.num_slots)
         if self.ctx.size > 1:
-            tokens = torch.stack([input_ids, positions]).to(device=self.ctx.device, dtype=torch.int64)  # [2, n]
-            self._send(Command.FORWARD, n, 0, num_logits or 0, tokens if n <= INLINE else None)
-            if n > INLINE:
-                self.ctx.broadcast(tokens)
-        return self.model.forward(input_ids, positions, num_logits)
+            payload = batch.to_tensor().to(self.ctx.device)
+            n = payload.numel()
+            header = self._header
+            header[:2] = torch.tensor([int(Command.STEP), n])
+            if n <= HEADER - 2:
+                header[2:2 + n] = payload
+            self.ctx.broadcast(header)
+            if n > HEADER - 2:
+                self.ctx.broadcast(payload)
+        return self.model.forward_batch(batch)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, num_logits: int | None = None,
+                parents: list[int] | None = None) -> torch.Tensor:
+        """ids, positions [n] -> logits [num_logits or n, vocab] (float32), appended to the
+        one-sequence cache on every rank. Verifying k draft tokens: ids = [last accepted token,
+        draft_1 .. draft_k]; a tree of candidates passes `parents` (OneSequence.forward)."""
+        return self.sequence.forward(input_ids, positions, num_logits, parents)
 
     def truncate(self, length: int) -> None:
-        """Keep the first `length` tokens of the cache (e.g. the accepted prefix)."""
-        if not 0 <= length <= self.model.length:
-            raise ValueError(f"cannot truncate a cache of {self.model.length} tokens to {length}")
-        if self.ctx.size > 1:
-            self._send(Command.TRUNCATE, 0, length, 0)
-        self.model.truncate(length)
+        """Keep the first `length` tokens of the one-sequence cache (e.g. the accepted prefix)."""
+        self.sequence.truncate(length)
+
+    def keep(self, rows: list[int]) -> None:
+        """After a tree forward: keep row 0 and the accepted path `rows` (OneSequence.keep)."""
+        self.sequence.keep(rows)
 
     def close(self) -> None:
         """Let the worker ranks leave `serve_worker`. Idempotent."""
         if not self.closed:
             self.closed = True
+            self.sequence.run = self.model.forward_batch
             if self.ctx.size > 1:
-                self._send(Command.STOP, 0, 0, 0)
+                self._header[:2] = torch.tensor([int(Command.STOP), 0])
+                self.ctx.broadcast(self._header)
 
     def __enter__(self) -> TargetRunner:
         return self
@@ -102,14 +127,6 @@ class TargetRunner:
         except Exception as close_exc:
             log.debug("could not send STOP after %s: %s", exc_type.__name__, close_exc)
 
-    def _send(self, command: Command, n: int, arg: int, num_logits: int, tokens: torch.Tensor | None = None) -> None:
-        header = self._header
-        header[:4] = torch.tensor([int(command), n, arg, num_logits])
-        if tokens is not None:
-            header[4:4 + n] = tokens[0]
-            header[4 + INLINE:4 + INLINE + n] = tokens[1]
-        self.ctx.broadcast(header)
-
 
 def serve_worker(model: TargetModel, ctx: ParallelContext | None = None) -> int:
     """Run the commands rank 0 broadcasts until STOP; returns how many were served."""
@@ -118,15 +135,13 @@ def serve_worker(model: TargetModel, ctx: ParallelContext | None = None) -> int:
     served = 0
     while True:
         ctx.broadcast(header)
-        command, n, arg, num_logits = header[:4].tolist()
-        if command == Command.FORWARD:
-            if n <= INLINE:
-                ids, positions = header[4:4 + n].clone(), header[4 + INLINE:4 + INLINE + n].clone()
+        command, n = header[:2].tolist()
+        if command == Command.STEP:
+            if n <= HEADER - 2:
+                payload = header[2:2 + n].clone()
             else:
-                ids, positions = ctx.broadcast(torch.empty(2, n, dtype=torch.int64, device=ctx.device))
-            model.forward(ids, positions, num_logits or None)
-        elif command == Command.TRUNCATE:
-            model.truncate(arg)
+                payload = ctx.broadcast(torch.empty(n, dtype=torch.int64, device=ctx.device))
+            model.forward_batch(ForwardBatch.from_tensor(payload.cpu()))
         elif command == Command.STOP:
             log.debug("worker served %d commands", served)
             return served

@@ -11,6 +11,10 @@
 //   decode_attention(q [n, heads, d], k [kv_heads, slots, d], v [kv_heads, slots, d], start, scale)
 //       -> [n, heads, d]: row i attends to slots 0 .. start + i; query head h reads KV head
 //       h / (heads / kv_heads); q, k, v float32 or bfloat16 (one dtype); softmax in float32.
+//   paged_attention(q [n, heads, d], k [kv_heads, slots, d], v [kv_heads, slots, d], key_slots [total],
+//                   key_offsets [n + 1], scale) -> [n, heads, d]: row i attends, in order, to the slots
+//       key_slots[key_offsets[i] .. key_offsets[i + 1] - 1] (a paged cache's blocks, a tree row's
+//       prefix and ancestors); a row reading the same keys as a decode gets the decode's bits.
 //   rms_norm(x [n, d], w [d], eps) -> [n, d]: x / sqrt(mean(x^2) + eps) * w, in float32, rounded once.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -44,12 +48,23 @@ inline void store(uint16_t* p, float v) {  // round to nearest even, as torch do
 
 // ---------------------------------------------------------------- portable loops
 
-template <typename T>
+// Where key j of a row lives: slot j of the cache (a one-token decode's keys 0 .. keys - 1), or
+// slot slots[j] (a paged cache, a tree row's ancestors). Both feed the same arithmetic in the
+// same order, so a row's result depends only on the sequence of keys it reads.
+struct Contiguous {
+  int64_t operator[](int64_t j) const { return j; }
+};
+struct Listed {
+  const int64_t* slots;
+  int64_t operator[](int64_t j) const { return slots[j]; }
+};
+
+template <typename T, typename Slots>
 void attend_generic(const T* q, const T* k, const T* v, int64_t keys, int64_t d, int64_t key_stride, float scale,
-                    float* scores, float* acc, T* out) {
+                    float* scores, float* acc, T* out, Slots slot) {
   float top = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < keys; ++j) {
-    const T* kj = k + j * key_stride;
+    const T* kj = k + slot[j] * key_stride;
     float s = 0.f;
     for (int64_t e = 0; e < d; ++e) s += to_float(q[e]) * to_float(kj[e]);
     scores[j] = s * scale;
@@ -60,7 +75,7 @@ void attend_generic(const T* q, const T* k, const T* v, int64_t keys, int64_t d,
   for (int64_t j = 0; j < keys; ++j) {
     const float p = std::exp(scores[j] - top);
     total += p;
-    const T* vj = v + j * key_stride;
+    const T* vj = v + slot[j] * key_stride;
     for (int64_t e = 0; e < d; ++e) acc[e] += p * to_float(vj[e]);
   }
   for (int64_t e = 0; e < d; ++e) store(out + e, acc[e] / total);
@@ -106,15 +121,15 @@ HR_AVX512 inline __m512 exp16(__m512 x) {
 
 constexpr int kMaxD = 256;  // head_dim up to this takes the vector path
 
-template <typename T>
+template <typename T, typename Slots>
 HR_AVX512 void attend_avx512(const T* q, const T* k, const T* v, int64_t keys, int64_t d, int64_t key_stride,
-                             float scale, float* scores, T* out) {
+                             float scale, float* scores, T* out, Slots slot) {
   const int64_t parts = d / 16;
   __m512 qv[kMaxD / 16];
   for (int64_t c = 0; c < parts; ++c) qv[c] = _mm512_mul_ps(load16(q + 16 * c), _mm512_set1_ps(scale));
   __m512 top = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < keys; ++j) {
-    const T* kj = k + j * key_stride;
+    const T* kj = k + slot[j] * key_stride;
     __m512 s = _mm512_mul_ps(qv[0], load16(kj));
     for (int64_t c = 1; c < parts; ++c) s = _mm512_fmadd_ps(qv[c], load16(kj + 16 * c), s);
     scores[j] = _mm512_reduce_add_ps(s);
@@ -135,7 +150,7 @@ HR_AVX512 void attend_avx512(const T* q, const T* k, const T* v, int64_t keys, i
   __m512 acc[kMaxD / 16];
   for (int64_t c = 0; c < parts; ++c) acc[c] = _mm512_setzero_ps();
   for (j = 0; j < keys; ++j) {
-    const T* vj = v + j * key_stride;
+    const T* vj = v + slot[j] * key_stride;
     const __m512 p = _mm512_set1_ps(scores[j]);
     for (int64_t c = 0; c < parts; ++c) acc[c] = _mm512_fmadd_ps(p, load16(vj + 16 * c), acc[c]);
   }
@@ -183,12 +198,13 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       T* oi = od + (i * heads + h) * d;
 #if HR_X86
       if (vec) {
-        attend_avx512(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), oi);
+        attend_avx512(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), oi, Contiguous{});
         continue;
       }
 #endif
       (void)vec;
-      attend_generic(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), acc.data(), oi);
+      attend_generic(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), acc.data(), oi,
+                     Contiguous{});
     }
   });
 }
@@ -213,6 +229,74 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     decode_attention_impl<float>(q, k, v, start, static_cast<float>(scale), out);
   else
     decode_attention_impl<uint16_t>(q, k, v, start, static_cast<float>(scale), out);
+  return out;
+}
+
+template <typename T>
+void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* slots,
+                          const int64_t* offsets, int64_t longest, float scale, at::Tensor& out) {
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(0);
+  const int64_t group = heads / kv_heads;
+  const T* qd = reinterpret_cast<const T*>(q.data_ptr());
+  const T* kd = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vd = reinterpret_cast<const T*>(v.data_ptr());
+  T* od = reinterpret_cast<T*>(out.data_ptr());
+  const int64_t k_head = k.stride(0), v_head = v.stride(0), k_slot = k.stride(1);
+  const bool vec = vector_path(d);
+  at::parallel_for(0, n * heads, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(std::max<int64_t>(longest, 1)), acc(d);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t i = t / heads, h = t % heads, g = h / group;
+      const int64_t keys = offsets[i + 1] - offsets[i];
+      const Listed slot{slots + offsets[i]};
+      const T* qi = qd + (i * heads + h) * d;
+      T* oi = od + (i * heads + h) * d;
+#if HR_X86
+      if (vec) {
+        attend_avx512(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), oi, slot);
+        continue;
+      }
+#endif
+      (void)vec;
+      attend_generic(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), acc.data(), oi,
+                     slot);
+    }
+  });
+}
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_slots,
+                           const at::Tensor& key_offsets, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be 3-D");
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "q, k and v must be on the CPU");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "q, k and v must share a dtype");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == v.stride(1), "k and v need contiguous rows "
+              "with one slot stride");
+  TORCH_CHECK(key_slots.scalar_type() == at::kLong && key_offsets.scalar_type() == at::kLong &&
+              key_slots.is_contiguous() && key_offsets.is_contiguous() && key_slots.dim() == 1 &&
+              key_offsets.dim() == 1, "key_slots and key_offsets must be contiguous 1-D int64");
+  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(0), cached = k.size(1);
+  TORCH_CHECK(k.size(2) == d && v.size(2) == d && v.size(0) == kv_heads && v.size(1) == cached,
+              "q, k and v head_dim / kv heads / slots differ");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads do not share ", kv_heads, " KV heads");
+  TORCH_CHECK(key_offsets.numel() == n + 1, "key_offsets needs n + 1 = ", n + 1, " entries");
+  const int64_t* off = key_offsets.data_ptr<int64_t>();
+  const int64_t* sl = key_slots.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[n] == key_slots.numel(), "key_offsets must run from 0 to len(key_slots)");
+  int64_t longest = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(off[i + 1] > off[i], "row ", i, " attends to no key");
+    longest = std::max(longest, off[i + 1] - off[i]);
+  }
+  for (int64_t j = 0; j < key_slots.numel(); ++j)
+    TORCH_CHECK(sl[j] >= 0 && sl[j] < cached, "key slot ", sl[j], " is outside the cache of ", cached);
+  at::Tensor out = at::empty_like(q);
+  if (q.scalar_type() == at::kFloat)
+    paged_attention_impl<float>(q, k, v, sl, off, longest, static_cast<float>(scale), out);
+  else
+    paged_attention_impl<uint16_t>(q, k, v, sl, off, longest, static_cast<float>(scale), out);
   return out;
 }
 
@@ -254,5 +338,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 TORCH_LIBRARY_FRAGMENT(hetero_run, m) {
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, int start, float scale) -> Tensor",
         &hetero_run_cpu::decode_attention);
+  m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor key_slots, Tensor key_offsets, float scale) -> Tensor",
+        &hetero_run_cpu::paged_attention);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &hetero_run_cpu::rms_norm);
 }

@@ -68,6 +68,7 @@ class Eagle3Drafter:
         self.hidden: torch.Tensor | None = None  # [1, H] own output of token `hidden_of`
         self.hidden_of = -1
         self._draft_rows = draft_target_ids  # prune_head(draft_target_ids) returns this very tensor
+        self.seq, self.committed = 0, lambda: target.length  # whose rows `record` keeps (see `bind`)
 
     @property
     def length(self) -> int:
@@ -77,9 +78,19 @@ class Eagle3Drafter:
     def aux_layers(self) -> tuple[int, int, int]:
         return self.head.config.aux_layers
 
-    def record(self, start: int, features: torch.Tensor) -> None:
-        """The target's capture sink: aux states [n, 3 * H_target] of slots start .. start + n - 1."""
-        self.log.write(start, self.head.fuse(features))
+    def bind(self, seq: int, length) -> None:
+        """Follow the sequence in row `seq` of the target's block tables from now on; `length()`
+        is how many of its tokens the target has committed. (The one-sequence view: seq 0 and
+        the target's own length, the default.)"""
+        self.seq, self.committed = seq, length
+
+    def record(self, batch, features: torch.Tensor) -> None:
+        """The target's capture sink: aux states [rows, 3 * H_target] of a forward's rows; this
+        head keeps those of its sequence (its rows are consecutive in a batch)."""
+        rows = (batch.seq == self.seq).nonzero().flatten()
+        if rows.numel():
+            first, last = int(rows[0]), int(rows[-1]) + 1
+            self.log.write(int(batch.logical[first]), self.head.fuse(features[first:last]))
 
     def prune_head(self, rows: torch.Tensor) -> torch.Tensor:
         """Logits for target ids `rows` only: -> draft id of each (-1: not in the draft vocabulary).
@@ -107,7 +118,7 @@ class Eagle3Drafter:
             raise ValueError("an EAGLE-3 head drafts chains; tree forwards are not supported")
         before = len(self.tokens)
         self.tokens += ids.tolist()
-        low, high = self.log.available(self.target.length)
+        low, high = self.log.available(self.committed())
 
         def has_row(j: int) -> bool:  # token j's features come from the target
             return low <= j - 1 < high

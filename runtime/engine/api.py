@@ -3,12 +3,18 @@
     engine.submit(request, sink)   # thread-safe, returns at once; raises QueueFull past --max-queue
     engine.cancel(request_id)      # thread-safe; that request ends with finish_reason "abort"
                                    # within one engine step, and its KV cache is freed
-    sink(event)                    # called on the engine's thread, in order, per request: zero or
-                                   # more delta events, then exactly one final event
-                                   # (finish_reason set); never called after the final event
+    sink(event)                    # in order, per request: zero or more delta events, then exactly
+                                   # one final event (finish_reason set); never after the final event
+    engine.drain(timeout)          # refuse new requests (DRAINING); let queued and running ones finish
+                                   # for up to `timeout` s, then abort the rest; -> True if none was aborted
+    engine.shutdown()              # stop the engine's thread (STOPPED); anything left ends "abort"
+    engine.fail(reason)            # a peer is lost: every request ends "error" now, from the calling
+                                   # thread, even while the engine's thread is stuck in a collective (FAILED)
 
-The engine runs every model call on one thread of its own; `sink` must only hand the event
-over (e.g. `loop.call_soon_threadsafe(queue.put_nowait, event)`), never block.
+The engine runs every model call on one thread of its own and calls sinks there; final events of
+requests that never started (cancelled while queued, drained, failed) may come from the thread
+that ended them. `sink` must only hand the event over, thread-safely and without blocking (e.g.
+`loop.call_soon_threadsafe(queue.put_nowait, event)`).
 """
 
 from __future__ import annotations
@@ -105,8 +111,14 @@ class EngineUnavailable(Exception):
 class EngineStats:
     running: int  # requests being generated
     waiting: int  # requests queued
-    kv_blocks_total: int = 0
+    kv_blocks_total: int = 0  # KV cache capacity in blocks of `block_size` tokens
     kv_blocks_free: int = 0
+    block_size: int = 1
+
+    @property
+    def kv_usage(self) -> float:
+        """Share of the KV cache in use, 0..1."""
+        return 1.0 - self.kv_blocks_free / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 class Engine(Protocol):
@@ -120,3 +132,9 @@ class Engine(Protocol):
     def cancel(self, request_id: str) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def drain(self, timeout: float) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+    def fail(self, reason: str) -> None: ...

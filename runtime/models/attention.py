@@ -1,24 +1,35 @@
-"""Grouped-query self-attention over this rank's heads, reading and appending to the KV cache.
+"""Grouped-query self-attention over this rank's heads, reading and writing the paged KV cache.
 
 At TP size s a rank holds num_heads / s query heads and the KV heads they read: num_kv_heads / s
 of them, or, when there are fewer KV heads than ranks, the one KV head its query heads share
 (replicated on size / num_kv_heads ranks). q/k/v is one fused column-parallel projection,
 o one row-parallel projection: one all-reduce per attention.
 
-Up to VERIFY_MAX_ROWS tokens (decode, speculative verify) each query row attends over exactly
-the keys a one-token decode of it would see, without a mask, so it gets the decode's bits
-(batch_invariance.py; kernels/decode_ops.py, compiled on the CPU); longer chunks (prefill) and
-drafter trees take one masked scaled_dot_product_attention call.
+Every row (decode, verify, tree node, prefill) writes its K/V to its slot and then attends to
+exactly the keys its `AttentionRows` entry lists, in order, computed on its own
+(kernels/decode_ops.py, compiled on the CPU): a row's result never depends on which other rows
+came with it (batch_invariance.py).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from hetero_run.kernels.decode_ops import decode_attention
+from hetero_run.kernels.decode_ops import paged_attention
 from hetero_run.runtime.models.linear import ColumnParallelLinear, RowParallelLinear
 from hetero_run.runtime.models.rotary import Rotary
+
+
+@dataclass(frozen=True)
+class AttentionRows:
+    """What every layer's attention needs about the rows of one forward (built once per forward)."""
+
+    write_slots: torch.Tensor  # [n] int64 physical slot of each row's K/V
+    key_slots: torch.Tensor  # [T] int64 physical slots read, row after row
+    key_offsets: torch.Tensor  # [n + 1] int64 bounds of each row's keys in key_slots
 
 
 class Attention:
@@ -28,7 +39,7 @@ class Attention:
         self.qkv, self.o, self.rotary = qkv, o, rotary
         self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
         self.qk_size = (heads + kv_heads) * head_dim  # q and k are adjacent in the fused output
-        self.k_cache, self.v_cache = k_cache, v_cache  # [kv_heads, max_tokens, head_dim] views
+        self.k_cache, self.v_cache = k_cache, v_cache  # [kv_heads, slots, head_dim] views
         self.qk_norm = None  # [heads + kv_heads, head_dim]: q_norm for the q heads, then k_norm (qwen3 family)
         if q_norm is not None:
             self.qk_norm = torch.cat([q_norm.expand(heads, head_dim), k_norm.expand(kv_heads, head_dim)])
@@ -40,14 +51,8 @@ class Attention:
         norms = 0 if self.qk_norm is None else 2 * self.head_dim * self.qk_norm.element_size()
         return self.qkv.nbytes + self.o.nbytes + norms
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
-                 mask: torch.Tensor | None) -> torch.Tensor:
-        """x [n, hidden] at cache slots start .. start + n - 1 -> [n, hidden] (summed over ranks).
-
-        cos / sin: [n, 1, head_dim]; mask: [n, start + n] bool (True = may attend), or None for
-        causal attention computed row by row, each row exactly as a one-token decode computes it
-        (the decoder passes None up to VERIFY_MAX_ROWS tokens; a drafter's tree passes its mask).
-        """
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rows: AttentionRows) -> torch.Tensor:
+        """x [n, hidden] -> [n, hidden] (summed over ranks); cos / sin: [n, 1, head_dim]."""
         n = x.shape[0]
         qkv = self.qkv(x)  # [n, (heads + 2 * kv_heads) * head_dim]
         qk = qkv[:, :self.qk_size].view(n, self.heads + self.kv_heads, self.head_dim)
@@ -55,19 +60,7 @@ class Attention:
         if self.qk_norm is not None:  # q and k normalised (and then rotated) together
             qk = F.rms_norm(qk, (self.head_dim,), eps=self.eps) * self.qk_norm
         q, k = self.rotary.apply(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
-        end = start + n
-        self.k_cache[:, start:end] = k.transpose(0, 1)
-        self.v_cache[:, start:end] = v.transpose(0, 1)
-        if mask is None:  # causal, each row as a one-token decode (the decoder passes a mask only for long chunks
-            out = decode_attention(q, self.k_cache, self.v_cache, start, self.scale)  # and drafter trees)
-            return self.o(out.reshape(n, self.heads * self.head_dim))
-        out = self._attend(q.transpose(0, 1)[None], end, mask)  # [1, heads, n, head_dim]
-        return self.o(out[0].transpose(0, 1).reshape(n, self.heads * self.head_dim))
-
-    def _attend(self, q: torch.Tensor, keys: int, mask: torch.Tensor | None) -> torch.Tensor:
-        """q [1, heads, m, head_dim] over cache slots 0 .. keys - 1 -> [1, heads, m, head_dim]."""
-        # 4-D inputs take PyTorch's fused CPU attention kernel; 3-D ones fall back to the slow path.
-        return F.scaled_dot_product_attention(
-            q, self.k_cache[None, :, :keys], self.v_cache[None, :, :keys],
-            attn_mask=mask, scale=self.scale, enable_gqa=self.heads != self.kv_heads,
-        )
+        self.k_cache[:, rows.write_slots] = k.transpose(0, 1)
+        self.v_cache[:, rows.write_slots] = v.transpose(0, 1)
+        out = paged_attention(q, self.k_cache, self.v_cache, rows.key_slots, rows.key_offsets, self.scale)
+        return self.o(out.reshape(n, self.heads * self.head_dim))

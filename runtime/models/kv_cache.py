@@ -1,10 +1,12 @@
-"""A static KV cache for one sequence: every layer's keys and values, preallocated.
+"""The paged KV cache storage: every layer's keys and values, preallocated in fixed-size blocks.
 
-Tokens occupy slots 0 .. length - 1. A forward appends its n tokens at slots length ..
-length + n - 1 (a prompt chunk, one decode token, or k + 1 tokens to verify) and each of them
-attends to the slots before it and to itself. `truncate(length)` rolls back to any shorter
-length, e.g. the accepted prefix after verification; the next forward overwrites the slots
-past it, so rollback copies nothing.
+The cache holds num_blocks * block_size slots per layer and local KV head. Which blocks a
+sequence owns is decided on rank 0 (its block table) and travels with each forward
+(`batch.ForwardBatch`); this class only stores and moves K/V. A sequence that owns every block
+in order (`one_sequence.OneSequence`) sees the slots as one long cache.
+
+`length`, `check_room` and `truncate` serve a cache used as one plain sequence (the EAGLE-3
+head's own cache).
 """
 
 from __future__ import annotations
@@ -13,22 +15,39 @@ import torch
 
 from hetero_run.topology.errors import UserError
 
+DEFAULT_BLOCK_SIZE = 16
+
 
 class KVCacheFull(UserError):
     """The sequence would grow past the slots the cache was sized for."""
 
 
+def check_room(length: int, n: int, max_tokens: int) -> None:
+    """Raise KVCacheFull unless a sequence of `length` tokens can grow by n within `max_tokens`."""
+    if length + n > max_tokens:
+        raise KVCacheFull(f"the sequence would reach {length + n} tokens but the KV cache holds {max_tokens}; "
+                          "raise --context (or shorten the prompt / --max-new-tokens)", field="max_tokens")
+
+
 class KVCache:
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, max_tokens: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, block_size: int = DEFAULT_BLOCK_SIZE):
         if max_tokens < 1:
             raise UserError(f"KV cache must hold at least one token, got {max_tokens}", field="max_tokens")
-        shape = (num_layers, kv_heads, max_tokens, head_dim)
+        if block_size < 1:
+            raise UserError(f"must be >= 1, got {block_size}", field="block_size")
+        self.block_size = block_size
+        self.num_blocks = -(-max_tokens // block_size)
+        shape = (num_layers, kv_heads, self.num_blocks * block_size, head_dim)
         # empty, not zeros: every slot is written before it is read, and untouched pages cost no memory
-        self.k = torch.empty(shape, dtype=dtype, device=device)  # [layers, kv_heads, max_tokens, head_dim]
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # [layers, kv_heads, slots, head_dim]
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.max_tokens = max_tokens
         self.length = 0
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[2]
 
     @property
     def nbytes(self) -> int:
@@ -38,13 +57,15 @@ class KVCache:
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * kv_heads * head_dim * dtype.itemsize
 
+    def copy_slots(self, copies: torch.Tensor) -> None:
+        """copies [2, C] (source, destination) physical slots: every layer's K/V move, all sources
+        read before any destination is written."""
+        src, dst = (c.to(self.k.device) for c in copies)
+        self.k[:, :, dst] = self.k[:, :, src]
+        self.v[:, :, dst] = self.v[:, :, src]
+
     def check_room(self, n: int) -> None:
-        if self.length + n > self.max_tokens:
-            raise KVCacheFull(
-                f"the sequence would reach {self.length + n} tokens but the KV cache holds {self.max_tokens}; "
-                "raise --max-tokens (or shorten the prompt / --max-new-tokens)",
-                field="max_tokens",
-            )
+        check_room(self.length, n, self.max_tokens)
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` tokens."""

@@ -18,7 +18,7 @@ from hetero_run.runtime.models.balance import balance, even_rows, return_freed_m
 from hetero_run.runtime.models.config import ModelConfig
 from hetero_run.runtime.models.decoder import DecoderLayer, TargetModel
 from hetero_run.runtime.models.embedding import ParallelLMHead, VocabParallelEmbedding
-from hetero_run.runtime.models.kv_cache import KVCache
+from hetero_run.runtime.models.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from hetero_run.runtime.models.linear import ColumnParallelLinear, RowParallelLinear
 from hetero_run.runtime.models.mlp import GatedMLP
 from hetero_run.runtime.models.moe import Expert, SparseMoE
@@ -182,9 +182,11 @@ EMBEDDING_SPLITS = ("even", "balanced")
 
 def load_model(source, ctx: ParallelContext | None = None, *, max_tokens: int | None = None,
                dtype: str | torch.dtype = "auto", prefill_chunk: int = 512,
-               embedding_split: str | Sequence[int] = "even", pending_bytes: int = 0) -> TargetModel:
-    """This rank's `TargetModel` with a KV cache of `max_tokens` slots (default
-    min(32768, the model's max_position_embeddings)).
+               embedding_split: str | Sequence[int] = "even", pending_bytes: int = 0,
+               kv_tokens: int | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> TargetModel:
+    """This rank's `TargetModel`: sequences of up to `max_tokens` tokens (default
+    min(32768, the model's max_position_embeddings)), a paged KV cache of `kv_tokens` slots
+    (default max_tokens: one full-length sequence) in blocks of `block_size`.
 
     `embedding_split`: the embedding rows each rank holds, in rank order: "even", explicit
     counts, or "balanced" (untied embeddings at TP > 1; a collective): the ranks compare the
@@ -202,7 +204,8 @@ def load_model(source, ctx: ParallelContext | None = None, *, max_tokens: int | 
     try:
         run_dtype = resolve_dtype(dtype, src)
         rows = _embedding_rows(embedding_split, config, src, ctx, run_dtype, pending_bytes)
-        return _Builder(reads, config, ctx, run_dtype, rows).model(max_tokens, prefill_chunk)
+        return _Builder(reads, config, ctx, run_dtype, rows).model(max_tokens, prefill_chunk, kv_tokens or max_tokens,
+                                                                   block_size)
     finally:
         src.close()
         return_freed_memory()
@@ -260,9 +263,9 @@ class _Builder:
         weight = load_linear(self.src, prefix, shard=shard, dtype=self.dtype, shape=shape)
         return weight if self.ctx.device.type == "cpu" else weight.to(self.ctx.device)
 
-    def model(self, max_tokens: int, prefill_chunk: int) -> TargetModel:
+    def model(self, max_tokens: int, prefill_chunk: int, kv_tokens: int, block_size: int) -> TargetModel:
         cfg, ctx, hidden = self.cfg, self.ctx, self.cfg.hidden_size
-        kv = KVCache(cfg.num_layers, self.kv_heads, cfg.head_dim, max_tokens, self.dtype, ctx.device)
+        kv = KVCache(cfg.num_layers, self.kv_heads, cfg.head_dim, kv_tokens, self.dtype, ctx.device, block_size)
         rotary = Rotary(cfg.rope, cfg.head_dim, max_tokens, self.dtype, ctx.device)
         embed = self.tensor("model.embed_tokens.weight", (cfg.vocab_size, hidden), rows=self.embedding_span)
         embed = VocabParallelEmbedding(embed, ctx, first=self.embedding_span[0])
@@ -274,7 +277,7 @@ class _Builder:
         tied = _tied(cfg, self.src)
         head = DenseWeight(embed.weight) if tied else self.linear("lm_head", (cfg.vocab_size, hidden), self.col)
         return TargetModel(cfg, ctx, embed, layers, norm, ParallelLMHead(head, ctx, tied), kv, rotary, self.dtype,
-                           prefill_chunk)
+                           prefill_chunk, context=max_tokens)
 
     def layer(self, i: int, kv: KVCache, rotary: Rotary) -> DecoderLayer:
         cfg, p, hidden = self.cfg, f"model.layers.{i}", (self.cfg.hidden_size,)

@@ -1,14 +1,16 @@
 """Memory of one rank: what it holds, against the memory of the node it runs on.
 
 Memory on a rank is `fixed + per_context_token * context` (weights, scratch and overhead are
-fixed; the KV cache and the attention mask grow with the context), so the longest context
-that fits is exact: `(capacity - fixed) // per_context_token`.
+fixed; the KV cache and the attention mask grow with the context), the KV cache rounded up to
+whole blocks, so the longest context that fits is `(capacity - fixed) // per_context_token`
+or at most a block's worth of tokens less.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from hetero_run.runtime.models.kv_cache import DEFAULT_BLOCK_SIZE
 from hetero_run.runtime.planner.workspace import Workspace
 from hetero_run.topology.errors import ConfigError
 
@@ -43,8 +45,13 @@ class RankPlan:
         return sum(self.weights_by_group.values())
 
     @property
+    def kv_tokens(self) -> int:
+        """KV cache slots: context * batch, in whole blocks (models/kv_cache.py)."""
+        return -(-self.context * self.batch // DEFAULT_BLOCK_SIZE) * DEFAULT_BLOCK_SIZE
+
+    @property
     def kv_bytes(self) -> int:
-        return self.kv_bytes_per_token * self.context * self.batch
+        return self.kv_bytes_per_token * self.kv_tokens
 
     @property
     def drafter_kv_bytes(self) -> int:
@@ -85,7 +92,10 @@ class RankPlan:
     def max_context_tokens(self) -> int:
         """Longest context whose plan fits this rank (0 when not even one token fits)."""
         room = self.capacity_bytes - self.fixed_bytes
-        return max(0, room // self.per_context_token_bytes)
+        longest = max(0, room // self.per_context_token_bytes)
+        while longest > 0 and not replace(self, context=longest).fits:  # the KV cache rounds up to whole blocks
+            longest -= 1
+        return longest
 
     @property
     def kv_room_bytes(self) -> int:

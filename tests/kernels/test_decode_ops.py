@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from hetero_run.kernels import cpu_ext
-from hetero_run.kernels.decode_ops import decode_attention, decode_attention_reference, rms_norm
+from hetero_run.kernels.decode_ops import (
+    decode_attention,
+    decode_attention_reference,
+    paged_attention,
+    paged_attention_reference,
+    rms_norm,
+)
 
 
 def _attention_float64(q, k, v, start, scale):
@@ -78,3 +84,58 @@ def test_rms_norm_matches_float64_and_is_row_by_row(library, dtype, tol, d):
     torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=0)
     assert all(torch.equal(got[i:i + 1], rms_norm(x[i:i + 1], w, 1e-6)) for i in range(9))
     assert torch.equal(rms_norm(x.view(3, 3, d), w, 1e-6), got.view(3, 3, d))
+
+
+def _key_lists(g, rows, slots):
+    """Per row a random list of distinct cache slots (a paged table, a tree row's ancestors)."""
+    lists = [torch.randperm(slots, generator=g)[:int(torch.randint(1, slots, (1,), generator=g))] for _ in range(rows)]
+    offsets = torch.tensor([0] + [len(x) for x in lists]).cumsum(0)
+    return torch.cat(lists), offsets, lists
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads, kv_heads, d", [(14, 2, 64), (4, 2, 40)])
+def test_paged_attention_matches_float64_over_listed_slots(library, dtype, tol, heads, kv_heads, d):
+    g = torch.Generator().manual_seed(d + heads)
+    k, v = _cache(kv_heads, 70, d, dtype, seed=d)
+    q = torch.randn(6, heads, d, generator=g).to(dtype)
+    slots, offsets, lists = _key_lists(g, 6, 70)
+    got = paged_attention(q, k, v, slots, offsets, 1 / math.sqrt(d))
+    group = heads // kv_heads
+    want = torch.empty(q.shape, dtype=torch.float64)
+    for i, keys in enumerate(lists):
+        for h in range(heads):
+            p = torch.softmax(k[h // group, keys].double() @ q[i, h].double() / math.sqrt(d), dim=0)
+            want[i, h] = p @ v[h // group, keys].double()
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=0)
+    torch.testing.assert_close(paged_attention_reference(q, k, v, slots, offsets, 1 / math.sqrt(d)).double(), want,
+                               atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_paged_attention_over_the_same_keys_gives_the_decode_bits(library, dtype):
+    # A row reading slots 0 .. s in order equals the one-token decode at slot s, bit for bit, and a
+    # row whose keys are scattered copies of those keys gives the same bits too.
+    k, v = _cache(2, 120, 64, dtype, seed=7)
+    q = torch.randn(4, 14, 64, generator=torch.Generator().manual_seed(8)).to(dtype)
+    ends = [10, 33, 59, 59]
+    slots = torch.cat([torch.arange(e + 1) for e in ends])
+    offsets = torch.tensor([0] + [e + 1 for e in ends]).cumsum(0)
+    got = paged_attention(q, k, v, slots, offsets, 0.125)
+    for i, e in enumerate(ends):
+        assert torch.equal(got[i:i + 1], decode_attention(q[i:i + 1], k, v, e, 0.125)), i
+    moved = torch.randperm(60, generator=torch.Generator().manual_seed(9)) + 60  # keys 0..59 copied to 60..119
+    k[:, moved], v[:, moved] = k[:, :60].clone(), v[:, :60].clone()
+    scattered = paged_attention(q[3:], k, v, moved, torch.tensor([0, 60]), 0.125)
+    assert torch.equal(scattered, got[3:])
+
+
+def test_paged_attention_rejects_slots_outside_the_cache(library):
+    if cpu_ext.ops() is None:
+        pytest.skip("the compiled kernels do not build here")
+    k, v = _cache(2, 16, 64, torch.float32, seed=1)
+    q = torch.randn(1, 4, 64)
+    with pytest.raises(RuntimeError, match="outside the cache of 16"):
+        paged_attention(q, k, v, torch.tensor([3, 16]), torch.tensor([0, 2]), 0.125)
+    with pytest.raises(RuntimeError, match="attends to no key"):
+        paged_attention(q, k, v, torch.tensor([], dtype=torch.long), torch.tensor([0, 0]), 0.125)

@@ -64,3 +64,22 @@ def test_seeded_sampling_repeats_and_follows_the_distribution():
 def test_bad_params_name_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_keyed_draws_follow_p_and_depend_only_on_seed_and_position():
+    from hetero_run.kernels.sampling import keyed_noise, sample_keyed
+
+    p = torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05, 0.0]])
+    draws = torch.cat([sample_keyed(p, seed, [7]) for seed in range(4000)])
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[5] == 0
+    expected = p[0, :5].double() * 4000
+    assert ((counts[:5] - expected) ** 2 / expected).sum() < 18.47  # chi-square, 4 degrees of freedom, p = 0.001
+    assert torch.equal(keyed_noise(3, 9, 10), keyed_noise(3, 9, 10))
+    assert not torch.equal(keyed_noise(3, 9, 10), keyed_noise(3, 10, 10))
+    assert not torch.equal(keyed_noise(3, 9, 10), keyed_noise(4, 9, 10))
+    # a drafter over part of the vocabulary races over the target's noise for those ids
+    q, ids = torch.tensor([[0.6, 0.4]]), torch.tensor([4, 1])
+    for seed in range(50):
+        noise = keyed_noise(seed, 2, 5)
+        assert int(ids[sample_keyed(q, seed, [2], ids)]) == int(ids[torch.argmax(q[0] / noise[ids])])

@@ -27,13 +27,9 @@ from hetero_run.runtime.speculative.config import SpeculationConfig
 class CountingRunner(TargetRunner):
     sent = 0
 
-    def forward(self, *args, **kwargs):
+    def step(self, batch):
         self.sent += 1
-        return super().forward(*args, **kwargs)
-
-    def truncate(self, length):
-        self.sent += 1
-        return super().truncate(length)
+        return super().step(batch)
 
 
 def main(spec_path: str, out_dir: str) -> None:

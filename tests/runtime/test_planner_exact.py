@@ -37,7 +37,7 @@ def _check_plan_equals_loader(path, tp: int) -> None:
         planned = plan.ranks[rank]
         assert planned.weights_bytes == model.weight_nbytes, (rank, tp)
         assert planned.kv_bytes == model.kv.nbytes, (rank, tp)
-        assert planned.kv_bytes_per_token * CONTEXT == model.kv.nbytes
+        assert planned.kv_bytes_per_token * planned.kv_tokens == model.kv.nbytes  # whole blocks
         tied = not any(t.group == "lm_head" for t in plan.tensors)
         row = 0 if tied else model.embed.weight[0].nbytes
         read = plan.roofline.decode.bytes_per_rank[rank] - (CONTEXT + 1) * planned.kv_bytes_per_token - row

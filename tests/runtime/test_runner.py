@@ -8,9 +8,10 @@ import pytest
 import torch
 from tiny_models import tiny_checkpoint
 
+from hetero_run.runtime.models.batch import ForwardBatch
 from hetero_run.runtime.models.kv_cache import KVCacheFull
 from hetero_run.runtime.models.loader import load_model
-from hetero_run.runtime.runner import HEADER, INLINE, Command, TargetRunner, serve_worker
+from hetero_run.runtime.runner import HEADER, Command, TargetRunner, serve_worker
 
 
 class RecordingGroup:
@@ -38,7 +39,7 @@ def path():
     return tiny_checkpoint("qwen3", "bf16")
 
 
-def _model(path, max_tokens=32):
+def _model(path, max_tokens=64):
     return load_model(path, dtype=torch.float32, max_tokens=max_tokens)
 
 
@@ -48,29 +49,30 @@ def test_single_rank_runner_is_the_model(path):
     with TargetRunner(model) as runner:
         got = runner.forward(ids, torch.arange(10), num_logits=2)
         runner.truncate(4)
-        assert runner.length == 4 and runner.max_tokens == 32
+        assert runner.length == 4 and runner.max_tokens == 64
     torch.testing.assert_close(got, reference.forward(ids, torch.arange(10))[-2:], atol=0, rtol=0)
 
 
 def test_commands_a_worker_replays_reproduce_rank_0(path):
     group = RecordingGroup(0)
     driver = TargetRunner(_model(path), group)
-    driver.forward(torch.arange(3, 23), torch.arange(20), num_logits=1)  # longer than INLINE: 2 broadcasts
-    driver.forward(torch.tensor([7, 8, 9]), torch.arange(20, 23))  # a verify step: 1 broadcast
-    driver.truncate(21)
-    driver.forward(torch.tensor([1]), torch.tensor([21]))
+    driver.forward(torch.arange(3, 53), torch.arange(50), num_logits=1)  # a long prompt: 2 broadcasts
+    driver.forward(torch.tensor([7, 8, 9]), torch.arange(50, 53))  # a verify step: 1 broadcast
+    driver.truncate(51)  # rank 0 alone: the workers keep no lengths
+    driver.forward(torch.tensor([1]), torch.tensor([51]))
     driver.close()
     driver.close()  # idempotent: one STOP
-    assert [tuple(t.shape) for t in group.sent] == [(HEADER,), (2, 20)] + [(HEADER,)] * 4
-    headers = [t[:4].tolist() for t in group.sent if t.shape == (HEADER,)]
-    assert headers == [[Command.FORWARD, 20, 0, 1], [Command.FORWARD, 3, 0, 0], [Command.TRUNCATE, 0, 21, 0],
-                       [Command.FORWARD, 1, 0, 0], [Command.STOP, 0, 0, 0]]
-    verify = group.sent[2]
-    assert verify[4:7].tolist() == [7, 8, 9] and verify[4 + INLINE:7 + INLINE].tolist() == [20, 21, 22]
-    worker_model = _model(path)
+    assert [t.shape[0] for t in group.sent[:2]] == [HEADER, group.sent[0][1]]
+    assert [tuple(t.shape) for t in group.sent[2:]] == [(HEADER,)] * 3
+    headers = [t[:2].tolist() for t in group.sent if t.shape == (HEADER,)]
+    assert [h[0] for h in headers] == [Command.STEP] * 3 + [Command.STOP]
+    verify = ForwardBatch.from_tensor(group.sent[2][2:2 + headers[1][1]])
+    assert verify.ids.tolist() == [7, 8, 9] and verify.positions.tolist() == [50, 51, 52]
+    assert verify.prefix.tolist() == [51, 52, 53] and verify.logits_rows.tolist() == [0, 1, 2]
+    worker_model = _model(path, max_tokens=64)
     served = serve_worker(worker_model, RecordingGroup(1, group.sent))
-    assert served == 4 and worker_model.length == driver.length == 22
-    torch.testing.assert_close(worker_model.kv.k[:, :, :22], driver.model.kv.k[:, :, :22], atol=0, rtol=0)
+    assert served == 3 and driver.length == 52
+    torch.testing.assert_close(worker_model.kv.k[:, :, :52], driver.model.kv.k[:, :, :52], atol=0, rtol=0)
 
 
 def test_bad_calls_fail_on_rank_0_before_anything_is_sent(path):
@@ -78,10 +80,15 @@ def test_bad_calls_fail_on_rank_0_before_anything_is_sent(path):
     runner = TargetRunner(_model(path, max_tokens=8), group)
     with pytest.raises(KVCacheFull, match="would reach 9 tokens"):
         runner.forward(torch.arange(9), torch.arange(9))
-    with pytest.raises(ValueError, match="bad forward"):
+    with pytest.raises(ValueError, match="one position each"):
         runner.forward(torch.arange(3), torch.arange(4))
-    with pytest.raises(ValueError, match="bad forward"):
+    with pytest.raises(ValueError, match="num_logits must be in 1..3"):
         runner.forward(torch.arange(3), torch.arange(3), num_logits=4)
+    with pytest.raises(ValueError, match="parents must come first"):
+        runner.forward(torch.arange(3), torch.arange(3), parents=[-1, 2, 0])
+    with pytest.raises(ValueError, match="outside the cache"):
+        runner.step(ForwardBatch(torch.tensor([1]), torch.tensor([0]), torch.tensor([0]), torch.tensor([0]),
+                                 torch.tensor([1]), torch.tensor([[99]]), 16, torch.tensor([0])))
     with pytest.raises(ValueError, match="cannot truncate a cache of 0 tokens to 2"):
         runner.truncate(2)
     assert group.sent == []
@@ -92,12 +99,12 @@ def test_workers_are_stopped_when_rank_0_fails(path):
     with pytest.raises(RuntimeError, match="decode loop broke"):
         with TargetRunner(_model(path), group):
             raise RuntimeError("decode loop broke")
-    assert [t[:4].tolist() for t in group.sent] == [[Command.STOP, 0, 0, 0]]
+    assert [t[:2].tolist() for t in group.sent] == [[Command.STOP, 0]]
 
 
 def test_worker_rejects_unknown_commands(path):
     with pytest.raises(RuntimeError, match="rank 1 received unknown command 42"):
-        serve_worker(_model(path), RecordingGroup(1, [torch.tensor([42, 0, 0, 0] + [0] * 2 * INLINE)]))
+        serve_worker(_model(path), RecordingGroup(1, [torch.tensor([42] + [0] * (HEADER - 1))]))
 
 
 def test_runner_belongs_to_rank_0(path):

@@ -114,7 +114,7 @@ def test_capture_gives_the_states_entering_layers_and_the_last_output():
     """The captured residual stream equals transformers' hidden states (input of layer i)."""
     model = load_model(target_dir("qwen3_moe"), max_tokens=32, dtype=torch.float32)
     seen = []
-    model.capture((0, 2, 4), sink=lambda start, states: seen.append((start, states.clone())))
+    model.capture((0, 2, 4), sink=lambda batch, states: seen.append((int(batch.logical[0]), states.clone())))
     ids = torch.tensor([5, 17, 42, 99, 7, 3])
     model.forward(ids[:4], torch.arange(4))
     model.forward(ids[4:], torch.arange(4, 6))

@@ -49,7 +49,9 @@ def main(spec_path: str, out_dir: str) -> None:
             if dist.is_driver:
                 with TargetRunner(model, ctx) as runner:
                     results[case["name"]] = drive(runner, case) | {"embedding_rows": rows}
-                commands[case["name"]] = 3 + 2 + case["greedy"]  # 3 forwards, 2 truncates, the decode loop
+                prompt_steps = -(-case["prompt"] // case.get("prefill_chunk", 512))  # one step per prefill chunk
+                # the prompt, the verify and the forward after it; the decode loop's prompt and decodes
+                commands[case["name"]] = prompt_steps + 2 + prompt_steps + case["greedy"] - 1
             else:
                 commands[case["name"]] = serve_worker(model, ctx)
         if dist.is_driver:

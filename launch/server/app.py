@@ -1,0 +1,267 @@
+"""The routes: OpenAI's chat and completions (streamed or not), models, health, metrics, version.
+
+    app = create_app(engine, ServerSettings(model="qwen"), metrics)
+    app.state.prompter = Prompter(tokenizer, stop_ids)   # once the model is loaded
+
+Every request: auth (/v1 only) -> body size -> JSON and field validation -> model name -> the
+prompt rendered in a worker thread -> the context check -> `engine.submit` with a `Channel`.
+A disconnect watcher cancels the request as soon as the client goes, streamed or not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hetero_run.kernels.sampling import SamplingParams
+from hetero_run.launch.server import protocol
+from hetero_run.launch.server.errors import APIError, bad_request, unavailable
+from hetero_run.launch.server.sse import DONE, Channel, event
+from hetero_run.runtime.engine.api import EngineState, EngineUnavailable, GenerationRequest, QueueFull
+
+log = logging.getLogger("hetero_run.launch.server")
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    model: str  # --served-model-name
+    api_key: str | None = None
+    max_body_bytes: int = 1 << 20
+    allowed_origins: tuple[str, ...] = ()
+    log_requests: bool = False
+    version: str = ""
+    extra_version: dict = field(default_factory=dict)
+
+
+STATE_MESSAGES = {EngineState.LOADING: "the model is loading", EngineState.DRAINING: "the server is shutting down",
+                  EngineState.STOPPED: "the server has stopped"}
+
+
+def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
+    app = FastAPI(title="hetero-run", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.prompter = None
+    app.state.open_requests = 0
+    if settings.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+        return APIError(exc.status_code, message).response()
+
+    def unavailable_error() -> APIError:
+        return unavailable(engine.error if engine.state is EngineState.FAILED else STATE_MESSAGES[engine.state])
+
+    @app.get("/health")
+    async def health():
+        if engine.state is EngineState.READY:
+            return {"status": "ok"}
+        return unavailable_error().response()
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/version")
+    async def version():
+        return {"version": settings.version, "model": settings.model, "state": engine.state.value,
+                "algorithm": engine.algorithm, **settings.extra_version}
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        _authorise(request, settings.api_key)
+        return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": int(time.time()),
+                                            "owned_by": "hetero-run", "max_model_len": engine.max_context or None}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _serve(request, protocol.ChatRequest, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _serve(request, protocol.CompletionRequest, chat=False)
+
+    async def _serve(request: Request, kind, chat: bool):
+        arrival = time.monotonic()
+        _authorise(request, settings.api_key)
+        body = await _read_body(request, settings.max_body_bytes)
+        try:
+            req = protocol.parse(kind, body)
+            if req.model is not None and req.model != settings.model:
+                raise APIError(404, f"the model '{req.model}' does not exist (this server serves '{settings.model}')",
+                               "model", "model_not_found")
+            if engine.state is not EngineState.READY or app.state.prompter is None:
+                raise unavailable_error()
+            prompter = app.state.prompter
+            render = (lambda: prompter.chat(req.conversation())) if chat else (lambda: prompter.completion(req.prompt))
+            prompt = await run_in_threadpool(render)
+            generation = _generation_request(req, prompt, prompter, engine.max_context,
+                                             "messages" if chat else "prompt", arrival)
+        except APIError as exc:
+            metrics.rejected.labels("invalid" if exc.status < 500 else "unavailable").inc()
+            raise
+        ids = protocol.ResponseIds("chatcmpl" if chat else "cmpl", settings.model)
+        generation = GenerationRequest(ids.id, generation.prompt, generation.max_new_tokens, generation.sampling,
+                                       generation.stop_ids, generation.stop_strings, arrival)
+        channel = Channel(asyncio.get_running_loop(), metrics.timer(arrival).observe)
+        channel.prompt_ids = generation.prompt.target_ids
+        try:
+            engine.submit(generation, channel.sink)
+        except QueueFull as exc:
+            metrics.rejected.labels("queue_full").inc()
+            raise APIError(429, f"the server is busy: {exc}") from None
+        except EngineUnavailable as exc:
+            metrics.rejected.labels("unavailable").inc()
+            raise unavailable(str(exc)) from None
+        if settings.log_requests:
+            log.info("%s: prompt %r", ids.id, generation.prompt.messages or generation.prompt.text
+                     or list(generation.prompt.target_ids))
+        respond = _stream if req.stream else _complete
+        return await respond(request, req, ids, channel, chat)
+
+    async def _complete(request, req, ids, channel: Channel, chat: bool):
+        app.state.open_requests += 1
+        watcher = asyncio.create_task(_watch_disconnect(request, lambda: engine.cancel(ids.id)))
+        texts, tokens = [], []
+        try:
+            while True:
+                ev = await channel.next()
+                texts.append(ev.text)
+                tokens += ev.token_ids
+                if ev.final:
+                    break
+        finally:
+            watcher.cancel()
+            app.state.open_requests -= 1
+            if not channel.finished:
+                engine.cancel(ids.id)
+        _log_output(ids, ev, "".join(texts))
+        if ev.finish_reason not in ("stop", "length"):
+            raise _final_error(ev)
+        build = protocol.chat_response if chat else protocol.completion_response
+        token_ids = (channel.prompt_ids, tokens) if req.return_token_ids else None
+        return JSONResponse(build(ids, "".join(texts), ev.finish_reason, ev.usage, ev.speculation, token_ids))
+
+    async def _stream(request, req, ids, channel: Channel, chat: bool):
+        usage = req.include_usage
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str, finish: str | None = None, speculation=None) -> bytes:
+            if chat:
+                delta = {} if finish is not None and not text else {"content": text}
+                return event(protocol.chat_chunk(ids, delta, finish, usage, speculation))
+            return event(protocol.completion_chunk(ids, text, finish, usage, speculation))
+
+        async def frames():
+            app.state.open_requests += 1
+            watcher = asyncio.create_task(_watch_disconnect(request, lambda: engine.cancel(ids.id)))
+            texts = []
+            try:
+                if chat:
+                    yield event(protocol.chat_chunk(ids, {"role": "assistant", "content": ""}, None, usage))
+                while True:
+                    ev = await channel.next()
+                    texts.append(ev.text)
+                    if ev.final:
+                        break
+                    if ev.text:
+                        yield chunk(ev.text)
+                _log_output(ids, ev, "".join(texts))
+                if ev.finish_reason in ("stop", "length"):
+                    if ev.text:
+                        yield chunk(ev.text)
+                    yield chunk("", ev.finish_reason, ev.speculation)
+                    if usage:
+                        yield event(protocol.usage_chunk(ids, obj, ev.usage))
+                else:
+                    yield event(_final_error(ev).body())
+                yield DONE
+            finally:
+                watcher.cancel()
+                app.state.open_requests -= 1
+                if not channel.finished:
+                    engine.cancel(ids.id)
+
+        return StreamingResponse(frames(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    def _final_error(ev) -> APIError:
+        if ev.finish_reason == "abort" or engine.state is EngineState.FAILED:
+            return unavailable(ev.error or unavailable_error().message)
+        return APIError(500, ev.error or "generation failed")
+
+    def _log_output(ids, ev, text: str) -> None:
+        if settings.log_requests:
+            log.info("%s: %s, %d tokens: %r", ids.id, ev.finish_reason, ev.usage.completion_tokens if ev.usage else 0,
+                     text)
+
+    return app
+
+
+def _generation_request(req, prompt, prompter, max_context: int, param: str, arrival: float) -> GenerationRequest:
+    n = len(prompt.target_ids)
+    room = max_context - n + 1  # the last token is never forwarded, so it needs no cache slot
+    if room < 1 or (req.new_tokens is not None and req.new_tokens > room):
+        asked = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        wants = f" and {asked} asks for {req.new_tokens}" if req.new_tokens is not None else ""
+        raise bad_request(f"the prompt has {n} tokens{wants}, but the context holds {max_context} tokens "
+                          "(prompt + new tokens - 1 must fit)", param, n_prompt_tokens=n, n_ctx=max_context)
+    new = req.new_tokens if req.new_tokens is not None else room
+    try:
+        sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
+                                  top_p=1.0 if req.top_p is None else req.top_p, top_k=max(0, req.top_k or 0),
+                                  seed=req.seed)
+    except Exception as exc:
+        raise bad_request(str(exc)) from None
+    stop_ids = frozenset() if req.ignore_eos else prompter.stop_ids
+    return GenerationRequest("", prompt, new, sampling, stop_ids, req.stop_strings, arrival)
+
+
+def _authorise(request: Request, key: str | None) -> None:
+    if key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'", None,
+                       "invalid_api_key")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the body has {declared} bytes; this server takes at most {limit} (--max-body-bytes)")
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > limit:
+            raise APIError(413, f"the body is over {limit} bytes (--max-body-bytes)")
+    return bytes(body)
+
+
+async def _watch_disconnect(request: Request, on_disconnect) -> None:
+    """Wait for the client to go away (the body is read by now), then call `on_disconnect`."""
+    try:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                on_disconnect()
+                return
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # the connection is gone some other way: the request ends either way
+        on_disconnect()

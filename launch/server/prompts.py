@@ -1,0 +1,49 @@
+"""Requests -> the prompt the engine runs: the target's ids exactly as `hetero-run generate` encodes
+them (chat template + generation prompt for chat, the tokenizer's special tokens for raw text),
+and the messages or text for a drafter that reads them its own way. Runs in a worker thread."""
+
+from __future__ import annotations
+
+import threading
+
+from hetero_run.launch.generate import encode_chat, encode_text
+from hetero_run.launch.server.errors import bad_request
+from hetero_run.runtime.speculative.prompt import Prompt
+
+
+class Prompter:
+    def __init__(self, tokenizer, stop_ids: set[int]):
+        self.tokenizer = tokenizer
+        self.stop_ids = frozenset(stop_ids)
+        # a fast tokenizer may reconfigure itself inside __call__; encodes from many worker threads take turns
+        self._lock = threading.Lock()
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def chat(self, conversation: list[dict]) -> Prompt:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise bad_request("the model's tokenizer has no chat template: use /v1/completions", "messages")
+        try:
+            with self._lock:
+                ids = encode_chat(self.tokenizer, conversation)
+        except Exception as exc:  # a template that refuses the conversation (e.g. roles out of order)
+            raise bad_request(f"the chat template refused the conversation: {exc}", "messages") from None
+        return self._checked(Prompt(messages=tuple(conversation), target_ids=tuple(ids)), "messages")
+
+    def completion(self, prompt: str | list[int]) -> Prompt:
+        if isinstance(prompt, str):
+            with self._lock:
+                ids = encode_text(self.tokenizer, prompt)
+            return self._checked(Prompt(text=prompt, target_ids=tuple(ids)), "prompt")
+        vocab = len(self.tokenizer)
+        bad = next((t for t in prompt if t >= vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary ({vocab} tokens)", "prompt")
+        return self._checked(Prompt(target_ids=tuple(prompt)), "prompt")
+
+    @staticmethod
+    def _checked(prompt: Prompt, param: str) -> Prompt:
+        if not prompt.target_ids:
+            raise bad_request("the prompt is empty", param)
+        return prompt

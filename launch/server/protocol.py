@@ -1,0 +1,209 @@
+"""OpenAI request and response shapes, as typed models that validate themselves.
+
+A request that fails validation is a 400 naming the field (`messages[1].role: Input should be
+'system', 'user' or 'assistant'`). Types are strict, as OpenAI's are: "5" is not a number.
+Fields a server does not know are ignored (clients send extras); fields hetero-run knows but
+cannot honour (n > 1, logprobs, echo) are a 400 naming them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hetero_run.launch.server.errors import APIError, bad_request
+
+MAX_STOP_STRINGS = 16
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: no top-k cut
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate past end-of-sequence tokens
+    return_token_ids: bool = False  # vLLM's extension: the prompt's and the output's token ids in the response
+
+    @property
+    def new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+
+class ChatRequest(_Request):
+    messages: Annotated[list[Message], Field(min_length=1)]
+
+    def conversation(self) -> list[dict]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+
+class CompletionRequest(_Request):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
+        list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    echo: Literal[False] = False
+    logprobs: None = None
+    best_of: Literal[1] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value):
+        return value[0] if isinstance(value, list) and value and isinstance(value[0], str) else value
+
+
+def parse(kind: type[_Request], body: bytes) -> _Request:
+    """The request body -> a validated request, or an APIError 400 naming the field."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"the body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    if isinstance(data.get("logprobs"), bool) and not data["logprobs"]:
+        data.pop("logprobs")  # chat clients send logprobs: false
+    if data.get("top_logprobs") or data.get("logprobs"):
+        raise bad_request("log probabilities are not supported", "logprobs")
+    try:
+        return kind.model_validate(data)
+    except ValidationError as exc:
+        raise _field_error(exc) from None
+
+
+def _field_error(exc: ValidationError) -> APIError:
+    # a union reports one error per branch; the first names the field well enough
+    error = exc.errors(include_url=False)[0]
+    loc = [part for part in error["loc"] if not _is_branch(part)]
+    param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
+    message = error["msg"]
+    if error["type"] == "missing":
+        message = "is required"
+    elif error["type"] == "literal_error" and param == "n":
+        message = "only n = 1 is supported"
+    return bad_request(message, param)
+
+
+def _is_branch(part) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "list[str]", "list[int]", "list[TextPart]")
+                                      or part.startswith(("list[", "constrained-", "function-")))
+
+
+# -- responses ---------------------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict | None = None
+
+    @classmethod
+    def of(cls, usage) -> Usage:
+        return cls(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                   total_tokens=usage.prompt_tokens + usage.completion_tokens,
+                   prompt_tokens_details={"cached_tokens": usage.cached_tokens})
+
+
+class ResponseIds:
+    """id, created and model of one request; every chunk of a stream carries the same."""
+
+    def __init__(self, prefix: str, model: str):
+        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+
+    def head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+def chat_response(ids: ResponseIds, text: str, finish_reason: str, usage, speculation, token_ids=None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+              "finish_reason": finish_reason}
+    return _with_ids({**ids.head("chat.completion"), "choices": [choice], "usage": Usage.of(usage).model_dump(),
+                      "speculation": _speculation(speculation)}, token_ids)
+
+
+def completion_response(ids: ResponseIds, text: str, finish_reason: str, usage, speculation, token_ids=None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _with_ids({**ids.head("text_completion"), "choices": [choice], "usage": Usage.of(usage).model_dump(),
+                      "speculation": _speculation(speculation)}, token_ids)
+
+
+def _with_ids(body: dict, token_ids) -> dict:
+    if token_ids is not None:
+        prompt_ids, output_ids = token_ids
+        body["prompt_token_ids"] = list(prompt_ids)
+        body["choices"][0]["token_ids"] = list(output_ids)
+    return body
+
+
+def chat_chunk(ids: ResponseIds, delta: dict, finish_reason: str | None = None, include_usage: bool = False,
+               speculation=None) -> dict:
+    chunk = {**ids.head("chat.completion.chunk"),
+             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+    return _chunk_extras(chunk, include_usage, speculation)
+
+
+def completion_chunk(ids: ResponseIds, text: str, finish_reason: str | None = None, include_usage: bool = False,
+                     speculation=None) -> dict:
+    chunk = {**ids.head("text_completion"),
+             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+    return _chunk_extras(chunk, include_usage, speculation)
+
+
+def usage_chunk(ids: ResponseIds, obj: str, usage) -> dict:
+    return {**ids.head(obj), "choices": [], "usage": Usage.of(usage).model_dump()}
+
+
+def _chunk_extras(chunk: dict, include_usage: bool, speculation) -> dict:
+    if include_usage:
+        chunk["usage"] = None
+    if speculation is not None:
+        chunk["speculation"] = _speculation(speculation)
+    return chunk
+
+
+def _speculation(summary) -> dict | None:
+    if summary is None:
+        return None
+    out = summary.to_json()
+    out["acceptance_rate"] = round(summary.accepted_tokens / summary.draft_tokens, 4) if summary.draft_tokens else 0.0
+    return out

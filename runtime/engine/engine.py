@@ -1,0 +1,249 @@
+"""The step loop: many requests share each target forward.
+
+    engine = LLMEngine(runner, tokenizer, EngineConfig(...), drafter=None, speculation=None)
+    engine.add(request, sink)
+    while engine.has_work():
+        engine.step()
+
+One step (ARCHITECTURE.md): `schedule()` picks the sequences and their rows (scheduler.py),
+each decoding sequence may add draft rows (speculation.py), one `ForwardBatch` carries every
+row to every rank (runner.step), then `postprocess` verifies each sequence's rows, commits what
+it keeps, streams its text and finishes the ones that are done. Every row is computed as it
+would be alone (kernels/batch_invariance.py), so a request's tokens never depend on what else
+ran beside it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from hetero_run.runtime.engine.api import GenerationEvent, GenerationRequest, Sink, SpeculationSummary, Usage
+from hetero_run.runtime.engine.blocks import BlockManager
+from hetero_run.runtime.engine.output import OutputText
+from hetero_run.runtime.engine.scheduler import Scheduled, Scheduler
+from hetero_run.runtime.engine.sequence import Sequence, Status
+from hetero_run.runtime.engine.speculation import RoundRows, Speculation
+from hetero_run.runtime.models.batch import ForwardBatch
+from hetero_run.topology.errors import ConfigError, UserError
+
+log = logging.getLogger("hetero_run.runtime.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_num_seqs: int = 8  # sequences in one step
+    max_num_batched_tokens: int = 256  # rows in one step (prefill chunks included)
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"must be >= 1, got {self.max_num_seqs}", field="max_num_seqs")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ConfigError(f"must be >= --max-num-seqs ({self.max_num_seqs}), got {self.max_num_batched_tokens}",
+                              field="max_num_batched_tokens")
+
+
+class LLMEngine:
+    def __init__(self, runner, tokenizer, config: EngineConfig | None = None, drafter=None, speculation=None):
+        self.runner, self.tokenizer = runner, tokenizer
+        self.config = config or EngineConfig()
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.speculation = Speculation(tokenizer, runner.model.config.vocab_size, drafter, speculation)
+        self.max_context = runner.max_tokens
+        self.by_id: dict[str, Sequence] = {}
+        self.steps = 0
+        # K/V moves a tree verify asked for (physical source, destination): they run at the start
+        # of the next forward, before it writes anything, so a source block released meanwhile
+        # still holds its K/V then
+        self._copies: list[tuple[int, int]] = []
+
+    @property
+    def algorithm(self) -> str:
+        return self.speculation.algorithm
+
+    # -- requests -------------------------------------------------------------------------
+
+    def check(self, request: GenerationRequest) -> None:
+        """A UserError naming the field when `request` can never run here."""
+        n = request.prompt_tokens
+        if n == 0:
+            raise UserError("the prompt is empty", field="prompt")
+        if n + request.max_new_tokens - 1 > self.max_context:  # the last token is never forwarded
+            raise UserError(f"the prompt's {n} tokens plus max_tokens {request.max_new_tokens} exceed the context of "
+                            f"{self.max_context} tokens", field="max_tokens")
+        total = self.blocks.num_blocks * self.blocks.block_size
+        if n + request.max_new_tokens - 1 > total:
+            raise UserError(f"the prompt's {n} tokens plus max_tokens {request.max_new_tokens} exceed the KV cache "
+                            f"of {total} tokens", field="max_tokens")
+
+    def add(self, request: GenerationRequest, sink: Sink) -> Sequence:
+        self.check(request)
+        seq = Sequence(request, sink, list(request.prompt.target_ids))
+        seq.output = OutputText(self._decode, request.stop_strings)
+        self.by_id[request.request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def cancel(self, request_id: str, why: str | None = None) -> None:
+        """The request ends ("abort", with `why` as its error) before the next step; its blocks are freed."""
+        seq = self.by_id.get(request_id)
+        if seq is not None:
+            seq.cancelled, seq.cancel_reason = True, why
+
+    def has_work(self) -> bool:
+        return not self.scheduler.idle
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def abort_all(self, reason: str, error: str | None = None) -> None:
+        for seq in list(self.by_id.values()):
+            self._finish(seq, reason, error)
+
+    # -- one step -------------------------------------------------------------------------
+
+    def step(self) -> None:
+        for seq in [s for s in self.by_id.values() if s.cancelled]:
+            self._finish(seq, "abort", seq.cancel_reason)
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return
+        rounds = self.speculation.plan(scheduled, self.scheduler)  # draft rows, for sequences that decode
+        batch, spans = self._batch(scheduled, rounds)
+        begin = time.perf_counter()
+        logits = self.runner.step(batch)
+        seconds = time.perf_counter() - begin
+        self.speculation.measured_step(batch.rows, seconds)
+        self._postprocess(scheduled, rounds, spans, logits, seconds / batch.rows)
+        self.steps += 1
+
+    def _batch(self, scheduled: list[Scheduled], rounds: dict[int, RoundRows]) -> tuple[ForwardBatch, list]:
+        ids, positions, seq_index, logical, prefix, logits_rows = [], [], [], [], [], []
+        extra_offsets, extras, tables, spans = [0], [], [], []
+        copies, self._copies = self._copies, []
+        trees = False
+        for i, item in enumerate(scheduled):
+            seq, start = item.seq, item.seq.computed
+            rows = seq.token_ids[start:start + item.rows]
+            pos = list(range(start, start + item.rows))
+            kids: list[list[int]] = [[] for _ in rows]
+            r = rounds.get(i)
+            if r is not None:  # the pending token, then drafts (a chain, or a tree after it)
+                rows = rows + r.ids
+                pos = pos + r.positions
+                kids += [[] for _ in r.ids]
+                trees |= r.parents is not None
+            first = len(ids)
+            n = len(rows)
+            ids += rows
+            positions += pos
+            seq_index += [i] * n
+            logical += list(range(start, start + n))
+            if r is not None and r.parents is not None:
+                prefix += [start] * n
+                paths = r.paths(start)
+                for p in paths:
+                    extras += p
+                    extra_offsets.append(len(extras))
+            else:
+                prefix += list(range(start + 1, start + n + 1))
+                extra_offsets += [len(extras)] * n
+            decided = item.decides
+            if decided:
+                wanted = list(range(first + item.rows - 1, first + n))  # the pending token's row, then the drafts'
+                spans.append((len(logits_rows), len(wanted)))
+                logits_rows += wanted
+            else:
+                spans.append(None)
+            tables.append(seq.table.blocks)
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+        batch = ForwardBatch(as_long(ids), as_long(positions), as_long(seq_index), as_long(logical), as_long(prefix),
+                             table, self.blocks.block_size, as_long(logits_rows),
+                             as_long(extra_offsets) if trees else None, as_long(extras) if trees else None,
+                             as_long(copies).T.contiguous() if copies else None)
+        return batch, spans
+
+    def _postprocess(self, scheduled: list[Scheduled], rounds: dict[int, RoundRows], spans: list, logits,
+                     row_seconds: float) -> None:
+        now = time.monotonic()
+        for i, item in enumerate(scheduled):
+            seq = item.seq
+            if spans[i] is None:  # a prefill chunk that does not reach the prompt's end
+                seq.computed += item.rows
+                self.blocks.commit(seq.table, seq.token_ids, seq.computed)
+                continue
+            first, count = spans[i]
+            r = rounds.get(i)
+            emitted, kept_rows = self.speculation.verify(seq, r, logits[first:first + count],
+                                                         row_seconds * (item.rows + (len(r.ids) if r else 0)))
+            start = seq.computed + item.rows - 1  # the pending token's position
+            if r is not None and r.parents is not None:
+                self._keep_branch(seq, start, kept_rows)
+            seq.computed += item.rows - 1 + len(emitted)  # the pending token and the accepted drafts
+            seq.rounds += 1
+            if r is not None and r.ids:
+                seq.drafts += 1
+                seq.draft_tokens += len(r.ids)
+                seq.accepted_tokens += len(emitted) - 1
+            self.blocks.shrink(seq.table, seq.computed + 1)
+            self.blocks.commit(seq.table, seq.token_ids, seq.computed)
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+            self._append(seq, emitted)
+
+    def _keep_branch(self, seq: Sequence, start: int, rows: list[int]) -> None:
+        """A tree verify kept `rows` (row 0, then the accepted path): their K/V move to the positions
+        start, start + 1, ..., where decoding that path would have put them."""
+        b, blocks = self.blocks.block_size, seq.table.blocks
+        for j, row in enumerate(rows):
+            if row != j:
+                src, dst = start + row, start + j
+                self._copies.append((blocks[src // b] * b + src % b, blocks[dst // b] * b + dst % b))
+
+    def _append(self, seq: Sequence, emitted: list[int]) -> None:
+        """Add emitted tokens, cut at a stop token, a stop string or the length limit; stream them."""
+        request = seq.request
+        kept = emitted[:seq.room]
+        reason = None
+        for j, token in enumerate(kept):
+            if token in request.stop_ids:
+                kept, reason = kept[:j + 1], "stop"
+                break
+        seq.token_ids += kept
+        shown = [t for t in kept if t not in request.stop_ids]
+        text = seq.output.add(shown) if shown else ""
+        if seq.output.stopped:
+            reason = "stop"
+        elif reason is None and seq.room == 0:
+            reason = "length"
+        if text or kept:
+            seq.sink(GenerationEvent(request.request_id, text, tuple(kept)))
+        if reason is not None:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        if seq.status is Status.FINISHED:
+            return
+        self.scheduler.finish(seq)
+        self.speculation.release(seq)
+        self.by_id.pop(seq.request_id, None)
+        seq.finish_reason = reason
+        rest = seq.output.finish() if reason in ("stop", "length") else ""
+        usage = Usage(seq.prompt_len, max(0, seq.generated), seq.cached_tokens)
+        summary = SpeculationSummary(self.algorithm, seq.rounds, seq.drafts, seq.draft_tokens, seq.accepted_tokens)
+        seq.sink(GenerationEvent(seq.request_id, rest, (), reason, error, usage, summary))
+
+    def _decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)

@@ -1,0 +1,302 @@
+"""launch/server/app.py in process, over a scripted engine: statuses and error bodies for bad
+input, auth, routes, body size, health per engine state, CORS, SSE framing, metrics."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import httpx
+import pytest
+import speculative_support as support
+
+from hetero_run.launch.server.app import ServerSettings, create_app
+from hetero_run.launch.server.metrics import Metrics
+from hetero_run.launch.server.prompts import Prompter
+from hetero_run.runtime.engine.api import (
+    EngineState,
+    EngineStats,
+    GenerationEvent,
+    QueueFull,
+    SpeculationSummary,
+    Usage,
+)
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+class ScriptedEngine:
+    """Answers every request with `pieces` of text (one token each), then `finish`."""
+
+    def __init__(self):
+        self.state, self.error, self.max_context, self.algorithm = EngineState.READY, None, 64, "slem"
+        self.pieces, self.finish, self.full = ["Hel", "lo", " wörld"], "length", False
+        self.requests, self.cancelled = [], []
+
+    def submit(self, request, sink):
+        if self.full:
+            raise QueueFull("1 requests are waiting (--max-queue 1)")
+        self.requests.append(request)
+
+        def run():
+            for piece in self.pieces:
+                sink(GenerationEvent(request.request_id, piece, (7,)))
+            n = len(self.pieces)
+            sink(GenerationEvent(request.request_id, "", (), self.finish, "boom" if self.finish == "error" else None,
+                                 Usage(request.prompt_tokens, n), SpeculationSummary("slem", 2, 1, 3, 1)))
+
+        threading.Thread(target=run).start()
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+    def stats(self):
+        return EngineStats(0, 0, 64, 60)
+
+
+@pytest.fixture
+def engine():
+    return ScriptedEngine()
+
+
+def client_for(engine, **settings) -> httpx.AsyncClient:
+    app = create_app(engine, ServerSettings(model="tiny", **settings), Metrics(engine))
+    tokenizer = support.byte_level()
+    app.state.prompter = Prompter(tokenizer, {tokenizer.eos_token_id})
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+async def post(engine, path, body, headers=None, **settings) -> httpx.Response:
+    async with client_for(engine, **settings) as client:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return await client.post(path, content=content, headers={"content-type": "application/json", **(headers or {})})
+
+
+def run(coro):
+    import asyncio
+
+    return asyncio.run(coro)
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
+    return body["error"]
+
+
+@pytest.mark.parametrize("body, status, param, words", [
+    (b"{not json", 400, None, "not valid JSON"),
+    ({"model": "tiny", "messages": []}, 400, "messages", "at least 1"),
+    ({"model": "tiny", "messages": [{"role": "robot", "content": "x"}]}, 400, "messages[0].role", "'system', 'user'"),
+    ({**CHAT, "max_tokens": "8"}, 400, "max_tokens", "valid integer"),
+    ({**CHAT, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ({**CHAT, "temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
+    ({**CHAT, "top_p": 0}, 400, "top_p", "greater than 0"),
+    ({**CHAT, "n": 3}, 400, "n", "only n = 1"),
+    ({**CHAT, "stop": [1]}, 400, "stop", ""),
+    ({**CHAT, "stream": "yes"}, 400, "stream", "valid boolean"),
+    ({"model": "tiny"}, 400, "messages", "is required"),
+    ({**CHAT, "max_tokens": 1000}, 400, "messages", "context holds 64 tokens"),
+    ({**CHAT, "model": "gpt-4"}, 404, "model", "does not exist"),
+])
+def test_bad_chat_requests_get_openai_errors_naming_the_field(engine, body, status, param, words):
+    response = run(post(engine, "/v1/chat/completions", body))
+    assert response.status_code == status
+    error = error_of(response)
+    assert error["param"] == param and words in error["message"] and error["code"] in (status, "model_not_found")
+    assert error["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
+    assert engine.requests == []
+
+
+def test_the_context_error_carries_the_token_counts(engine):
+    error = error_of(run(post(engine, "/v1/completions", {"prompt": "hello there", "max_tokens": 64})))
+    assert error["n_ctx"] == 64 and error["n_prompt_tokens"] > 0
+    assert f"the prompt has {error['n_prompt_tokens']} tokens and max_tokens asks for 64" in error["message"]
+
+
+def test_a_correct_request_after_bad_ones_is_served(engine):
+    async def go():
+        async with client_for(engine) as client:
+            for body in (b"[", b'{"messages": 3}', json.dumps({**CHAT, "top_k": -7}).encode()):
+                assert (await client.post("/v1/chat/completions", content=body)).status_code == 400
+            return await client.post("/v1/chat/completions", json=CHAT)
+
+    response = run(go())
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "chat.completion" and body["model"] == "tiny" and body["id"].startswith("chatcmpl-")
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Hello wörld"},
+                                "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"]["completion_tokens"] == 3
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 3
+    assert body["speculation"] == {"algorithm": "slem", "rounds": 2, "drafts": 1, "draft_tokens": 3,
+                                   "accepted_tokens": 1, "tokens_per_round": 1.5, "acceptance_rate": 0.3333}
+    (request,) = engine.requests
+    assert request.max_new_tokens == 8 and request.sampling.temperature == 1.0  # OpenAI's default
+
+
+def test_request_fields_reach_the_engine(engine):
+    body = {**CHAT, "max_completion_tokens": 5, "temperature": 0, "top_p": 0.5, "top_k": 3, "seed": 9,
+            "stop": ["\n\n", "END"], "ignore_eos": True, "user": "someone", "frequency_penalty": 0}
+    assert run(post(engine, "/v1/chat/completions", body)).status_code == 200
+    (request,) = engine.requests
+    assert request.max_new_tokens == 5 and request.stop_strings == ("\n\n", "END") and request.stop_ids == frozenset()
+    assert (request.sampling.temperature, request.sampling.top_p, request.sampling.top_k, request.sampling.seed) == \
+        (0, 0.5, 3, 9)
+    tokenizer = support.byte_level()
+    expected = tokenizer(tokenizer.apply_chat_template(CHAT["messages"], add_generation_prompt=True, tokenize=False),
+                         add_special_tokens=False)["input_ids"]
+    assert list(request.prompt.target_ids) == expected
+    assert request.prompt.messages == ({"role": "user", "content": "hi"},)
+
+
+def test_content_parts_are_joined_and_token_prompts_accepted(engine):
+    parts = {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                               {"type": "text", "text": "b"}]}]}
+    assert run(post(engine, "/v1/chat/completions", parts)).status_code == 200
+    assert engine.requests[0].prompt.messages[0]["content"] == "a\nb"
+    assert run(post(engine, "/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 4})).status_code == 200
+    assert engine.requests[1].prompt.target_ids == (5, 6, 7)
+    error = error_of(run(post(engine, "/v1/completions", {"prompt": [5, 99999], "max_tokens": 4})))
+    assert error["param"] == "prompt" and "outside the vocabulary" in error["message"]
+
+
+def parse_sse(text: str) -> list:
+    assert text.endswith("\n\n")
+    frames = text.split("\n\n")[:-1]
+    assert all(f.startswith("data: ") for f in frames), frames
+    return [f[6:] if f[6:] == "[DONE]" else json.loads(f[6:]) for f in frames]
+
+
+def test_chat_stream_framing(engine):
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    response = run(post(engine, "/v1/chat/completions", body))
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    chunks = parse_sse(response.text)
+    assert chunks[-1] == "[DONE]"
+    first, *deltas, final, usage, _ = chunks
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [d["choices"][0]["delta"]["content"] for d in deltas] == ["Hel", "lo", " wörld"]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == first["id"] and c["usage"] is None
+               for c in [first, *deltas, final])
+    assert final["choices"][0]["finish_reason"] == "length" and final["choices"][0]["delta"] == {}
+    assert final["speculation"]["draft_tokens"] == 3
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+
+
+def test_completion_stream_without_usage(engine):
+    engine.finish = "stop"
+    chunks = parse_sse(run(post(engine, "/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": True})).text)
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["Hel", "lo", " wörld", ""]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and all("usage" not in c for c in chunks[:-1])
+
+
+def test_an_error_after_the_stream_began_is_an_error_event_then_done(engine):
+    engine.finish = "error"
+    chunks = parse_sse(run(post(engine, "/v1/completions", {"prompt": "x", "max_tokens": 3, "stream": True})).text)
+    assert chunks[-1] == "[DONE]" and chunks[-2]["error"]["message"] == "boom" and chunks[-2]["error"]["code"] == 500
+    response = run(post(engine, "/v1/completions", {"prompt": "x", "max_tokens": 3}))
+    assert response.status_code == 500 and error_of(response)["message"] == "boom"
+
+
+def test_a_full_queue_is_429(engine):
+    engine.full = True
+    response = run(post(engine, "/v1/chat/completions", CHAT))
+    assert response.status_code == 429 and "--max-queue 1" in error_of(response)["message"]
+    assert error_of(response)["type"] == "rate_limit_error"
+
+
+@pytest.mark.parametrize("headers, status", [({}, 401), ({"authorization": "Bearer nope"}, 401),
+                                             ({"authorization": "Basic s3cret"}, 401),
+                                             ({"authorization": "Bearer s3cret"}, 200)])
+def test_the_api_key_guards_v1_routes(engine, headers, status):
+    response = run(post(engine, "/v1/chat/completions", CHAT, headers, api_key="s3cret"))
+    assert response.status_code == status
+    if status == 401:
+        assert error_of(response)["type"] == "authentication_error" and "s3cret" not in response.text
+
+    async def models():
+        async with client_for(engine, api_key="s3cret") as client:
+            return [(await client.get(p, headers=headers)).status_code for p in ("/v1/models", "/health")]
+
+    assert run(models()) == [status, 200]  # /health stays open for probes
+
+
+def test_a_body_over_the_limit_is_413(engine):
+    body = {**CHAT, "messages": [{"role": "user", "content": "x" * 5000}]}
+    response = run(post(engine, "/v1/chat/completions", body, max_body_bytes=4096))
+    assert response.status_code == 413 and "--max-body-bytes" in error_of(response)["message"]
+
+
+def test_unknown_routes_and_methods_are_openai_errors(engine):
+    async def go():
+        async with client_for(engine) as client:
+            return await client.get("/v1/embeddings"), await client.get("/v1/chat/completions")
+
+    missing, wrong_method = run(go())
+    assert missing.status_code == 404 and error_of(missing)["type"] == "not_found_error"
+    assert wrong_method.status_code == 405
+
+
+@pytest.mark.parametrize("state, status, words", [(EngineState.READY, 200, ""), (EngineState.LOADING, 503, "loading"),
+                                                  (EngineState.DRAINING, 503, "shutting down"),
+                                                  (EngineState.FAILED, 503, "rank 1 (host h, pid 3) stopped")])
+def test_health_follows_the_engine_state_and_requests_get_503_unless_ready(engine, state, status, words):
+    engine.state = state
+    engine.error = "rank 1 (host h, pid 3) stopped responding" if state is EngineState.FAILED else None
+
+    async def go():
+        async with client_for(engine) as client:
+            return (await client.get("/health"), await client.post("/v1/chat/completions", json=CHAT),
+                    await client.get("/version"))
+
+    health, chat, version = run(go())
+    assert health.status_code == status and chat.status_code == (200 if status == 200 else 503)
+    if status == 503:
+        assert words in error_of(health)["message"] and error_of(chat)["type"] == "unavailable_error"
+    assert version.status_code == 200 and version.json()["state"] == state.value
+
+
+def test_cors_is_off_unless_origins_are_allowed(engine):
+    async def preflight(**settings):
+        async with client_for(engine, **settings) as client:
+            return await client.options("/v1/chat/completions", headers={
+                "origin": "http://chat.local", "access-control-request-method": "POST"})
+
+    assert "access-control-allow-origin" not in run(preflight()).headers
+    allowed = run(preflight(allowed_origins=("http://chat.local",)))
+    assert allowed.headers["access-control-allow-origin"] == "http://chat.local"
+
+
+def test_metrics_count_tokens_speculation_and_rejections(engine):
+    async def go():
+        async with client_for(engine) as client:
+            await client.post("/v1/chat/completions", json=CHAT)
+            await client.post("/v1/chat/completions", content=b"{")
+            return (await client.get("/metrics")).text
+
+    text = run(go())
+    lines = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"}
+    assert lines["hetero_run:generation_tokens_total"] == 3
+    assert lines['hetero_run:request_success_total{finished_reason="length"}'] == 1
+    assert lines['hetero_run:request_rejected_total{reason="invalid"}'] == 1
+    assert lines["hetero_run:spec_decode_num_drafts_total"] == 1
+    assert lines["hetero_run:spec_decode_num_draft_tokens_total"] == 3
+    assert lines["hetero_run:spec_decode_num_accepted_tokens_total"] == 1
+    assert lines["hetero_run:time_to_first_token_seconds_count"] == 1
+    assert lines["hetero_run:e2e_request_latency_seconds_count"] == 1
+    assert lines["hetero_run:kv_cache_usage_perc"] == pytest.approx(4 / 64)
+    assert lines['hetero_run:engine_state{state="ready"}'] == 1
+
+
+def test_the_live_line_shows_requests_tok_s_and_acceptance(engine):
+    from hetero_run.launch.server.live import LiveLine
+
+    metrics = Metrics(engine)
+    timer = metrics.timer(0.0)
+    for event in (GenerationEvent("r", "ab", (1, 2)),
+                  GenerationEvent("r", "", (), "length", None, Usage(3, 2), SpeculationSummary("slem", 2, 1, 4, 3))):
+        timer.observe(event)
+    line = LiveLine(engine, metrics, "tiny").render()
+    assert "0.40 tok/s" in line and "running 0" in line and "waiting 0" in line and "acceptance  75.0%" in line
+    assert "1 done, 0 failed" in line

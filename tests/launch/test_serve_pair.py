@@ -1,0 +1,44 @@
+"""`hetero-run serve` on the real CPU pair under `mpirun -np 2`: the openai client's greedy chat,
+streamed and not, equals `hetero-run generate --json --chat` token for token (slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from serve_support import API_KEY, start_server, stop_server
+from support import PAIR, env_for_tests, hetero_run_argv, mpirun_argv
+
+TARGET = PAIR / "qwen2.5-coder-0.5b-instruct-nvfp4"
+DRAFTER = PAIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
+PROMPT = "Write a Python function that checks whether a number is prime."
+FLAGS = ("--algorithm", "slem", "--context", "2048")
+
+pytestmark = [pytest.mark.slow, pytest.mark.mpi,
+              pytest.mark.skipif(not (TARGET.is_dir() and DRAFTER.is_file()), reason="the real pair is not fetched")]
+
+
+def test_real_pair_chat_equals_generate(tmp_path):
+    argv = mpirun_argv(2) + hetero_run_argv() + [
+        "generate", "--target", str(TARGET), "--drafter", str(DRAFTER), *FLAGS, "--prompt", PROMPT, "--chat", "--json",
+        "--max-new-tokens", "48"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env_for_tests())
+    assert proc.returncode == 0, proc.stderr
+    (ref,) = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    server = start_server(TARGET, DRAFTER, tmp_path, *FLAGS, "--dtype", "auto", "--api-key", API_KEY, timeout=600)
+    try:
+        client = server.client(timeout=600)
+        messages = [{"role": "user", "content": PROMPT}]
+        out = client.chat.completions.create(model=TARGET.name, messages=messages, max_tokens=48, temperature=0,
+                                             extra_body={"return_token_ids": True})
+        assert out.choices[0].token_ids == ref["token_ids"] and out.choices[0].message.content == ref["text"]
+        assert out.usage.prompt_tokens == ref["prompt_tokens"]
+        spec = out.model_extra["speculation"]
+        assert spec["algorithm"] == "slem" and spec["accepted_tokens"] > 0, spec
+        chunks = list(client.chat.completions.create(model=TARGET.name, messages=messages, max_tokens=48,
+                                                     temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
+        assert "def " in ref["text"]
+    finally:
+        stop_server(server)

@@ -1,0 +1,78 @@
+"""Speculation inside the batching engine: drafted rows ride in the step beside other requests'
+rows, and every request's greedy output stays the target alone's, for every algorithm."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import speculative_support as support
+import torch
+
+from hetero_run.kernels.sampling import SamplingParams
+from hetero_run.runtime.drafters.hf import HFDraftModel
+from hetero_run.runtime.drafters.load import Drafter
+from hetero_run.runtime.engine.api import GenerationRequest
+from hetero_run.runtime.engine.engine import EngineConfig, LLMEngine
+from hetero_run.runtime.models.loader import load_model
+from hetero_run.runtime.runner import TargetRunner
+from hetero_run.runtime.speculative.config import SpeculationConfig
+from hetero_run.runtime.speculative.prompt import Prompt
+
+PROMPTS = ["def is_prime(n):\n", "The quick brown", "naïve café résumé — 你", "Hello world! Hello"]
+NEW = 30
+
+
+@functools.cache
+def target_model():
+    return support.trained_model(support.byte_level(), "qwen2", seed=0)
+
+
+@functools.cache
+def drafter_model(name: str):
+    tokenizer = support.byte_level() if name == "same" else support.TOKENIZERS[name]()
+    return support.trained_model(tokenizer, "llama", seed=1), tokenizer
+
+
+@functools.cache
+def reference(prompt: str) -> tuple[int, ...]:
+    return tuple(support.reference_greedy(target_model(), support.byte_level()(prompt)["input_ids"], NEW))
+
+
+def _engine(algorithm, drafter, **config):
+    model, tokenizer = drafter_model(drafter)
+    runner = TargetRunner(load_model(target_model(), max_tokens=256, kv_tokens=1024, dtype=torch.float32,
+                                     block_size=8))
+    spec = SpeculationConfig(algorithm=algorithm, **config)
+    return LLMEngine(runner, support.byte_level(), EngineConfig(max_num_seqs=4, max_num_batched_tokens=64),
+                     Drafter(HFDraftModel(model), tokenizer, drafter), spec)
+
+
+def _request(i, prompt):
+    ids = support.byte_level()(prompt)["input_ids"]
+    return GenerationRequest(f"r{i}", Prompt(text=prompt, target_ids=tuple(ids)), NEW, SamplingParams())
+
+
+@pytest.mark.parametrize("algorithm, drafter", [("slem", "sentencepiece"), ("tli", "trailing_space"),
+                                                ("standard", "same"), ("auto", "sentencepiece")])
+def test_speculating_among_other_requests_keeps_every_output_the_targets(algorithm, drafter):
+    engine = _engine(algorithm, drafter)
+    tokens, finals = {}, {}
+
+    def sink_for(rid):
+        def sink(event):
+            tokens.setdefault(rid, []).extend(event.token_ids)
+            if event.final:
+                finals[rid] = event
+        return sink
+
+    for i, prompt in enumerate(PROMPTS):
+        engine.add(_request(i, prompt), sink_for(f"r{i}"))
+    while engine.has_work():
+        engine.step()
+    for i, prompt in enumerate(PROMPTS):
+        assert tuple(tokens[f"r{i}"]) == reference(prompt), (algorithm, prompt)
+    if algorithm != "auto":
+        assert sum(f.speculation.draft_tokens for f in finals.values()) > 0
+    assert engine.speculation.free_slots, "the drafter slot came back"
+    assert engine.blocks.num_free == engine.blocks.num_blocks
