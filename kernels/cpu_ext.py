@@ -26,7 +26,7 @@ import torch
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / f"{name}.cpp" for name in ("cpu_linear", "nvfp4_avx512", "dense_avx512", "amx", "portable",
-                                              "decode_ops")]
+                                              "decode_ops", "drafter_step")]
 NAME = "hetero_run_cpu_linear"
 OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []  # the libgomp torch itself uses
 FEATURE_AVX512 = 1

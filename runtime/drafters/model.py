@@ -28,15 +28,15 @@ class DraftModel(Protocol):
     length: int  # tokens in the KV cache
     vocab_size: int  # rows of the full head
 
-    def forward(self, ids: torch.Tensor, parents: torch.Tensor | None = None,
-                head: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, parents: torch.Tensor | None = None, head=None) -> torch.Tensor:
         """`head`: from `prune_head` (logits [n, len(rows)]); None = the full head."""
         ...
 
     def truncate(self, length: int) -> None: ...
 
-    def prune_head(self, rows: torch.Tensor) -> torch.Tensor:
-        """A head computing only vocabulary rows `rows` (TLI drafts over the shared tokens)."""
+    def prune_head(self, rows: torch.Tensor):
+        """A head computing only vocabulary rows `rows` (TLI drafts over the shared tokens), an
+        opaque handle that `forward(head=...)` takes."""
         ...
 
 

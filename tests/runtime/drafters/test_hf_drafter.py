@@ -81,3 +81,7 @@ def test_bad_drafter_paths_are_one_line_errors(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"x")
     with pytest.raises(UserError, match=r"\.gguf file"):
         load_drafter(tmp_path / "weights.bin")
+    with pytest.raises(UserError, match="slots: a drafter needs at least one slot"):
+        load_drafter(tmp_path, slots=0)
+    with pytest.raises(UserError, match="drafter_weights: drafter weights must be dense or nvfp4"):
+        load_drafter(tmp_path, weights="int8")

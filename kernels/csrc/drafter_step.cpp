@@ -1,0 +1,571 @@
+// One decode step of a small llama / qwen2 / qwen3 drafter over a KV cache with sequence slots.
+//
+// A drafter such as SmolLM2-135M has 30 narrow layers (hidden 576); run as ~20 PyTorch
+// operations per layer, the dispatch between them costs as much as its weights take to stream.
+// Here one call runs every layer: the four projections of a layer go through the registered
+// linear ops (hetero_run::nvfp4_linear / hetero_run::dense_linear, looked up in the c10
+// dispatcher), everything between them is a few plain loops over float32 activations.
+//
+// Class hetero_run.DraftStep (Python wrapper and plain-PyTorch reference: kernels/drafter_step.py):
+//   DraftStep(layers, hidden, heads, kv_heads, head_dim, eps, embed [vocab, hidden], norm [hidden] f32,
+//             cos [positions, head_dim] f32, sin [positions, head_dim] f32 (rotate-half sign folded in),
+//             k_cache, v_cache [slots, layers, kv_heads, max_tokens, head_dim] (bf16 | f32))
+//   set_norms(layer, input_norm f32 [hidden], post_norm f32 [hidden], qk_norm f32 [heads + kv_heads, head_dim]?)
+//   set_proj(layer, which, w?, codes?, block_scale?, row_scale?, bias?, bf16_x)
+//       which: 0 qkv, 1 o, 2 gate_up (gate rows, then up rows), 3 down; layer -1 sets head number `which`
+//       dense: w [out, in] bf16 | f32 (bf16_x: x is rounded to bf16 first); NVFP4: codes u8 [out, in/2],
+//       block_scale u8 (e4m3 bits) [out, in/16], row_scale f32 [out]; bias f32 [out]
+//   forward(ids [n], slots [n], index [n], positions [n], mask [n, W] bool?, head) -> logits f32 [n, out]
+//       row r embeds ids[r], writes its keys and values at cache index index[r] of slot slots[r], is
+//       rotated by positions[r], and attends to indices 0 .. index[r] of its slot (those where
+//       mask[r] is true, when given). Every row's keys and values are written before any row
+//       attends, so rows of one slot form a chain (or a tree, with a mask) within one call.
+//
+// Each row is computed on its own in a fixed order (the linear ops' paths do not depend on the
+// number of rows either), so a row gets the same bits whatever other rows share the call.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define DS_X86 1
+#include <immintrin.h>
+#define DS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#else
+#define DS_X86 0
+#endif
+
+namespace hetero_run_drafter {
+namespace {
+
+using at::Tensor;
+
+bool vector_isa() {
+#if DS_X86
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  return ok;
+#else
+  return false;
+#endif
+}
+
+inline float widen(float v) { return v; }
+inline float widen(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline void narrow(float v, float* p) { *p = v; }
+inline void narrow(float v, uint16_t* p) {  // round to nearest even, as torch does
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x7fffffu)) {
+    *p = static_cast<uint16_t>((bits >> 16) | 0x40);
+    return;
+  }
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  *p = static_cast<uint16_t>(bits >> 16);
+}
+
+// ---------------------------------------------------------------- small row operations
+
+void rms_norm_scalar(const float* x, const float* w, int64_t d, float eps, float* y) {
+  float ss = 0.f;
+  for (int64_t e = 0; e < d; ++e) ss += x[e] * x[e];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t e = 0; e < d; ++e) y[e] = x[e] * r * w[e];
+}
+
+float silu_scalar(float g) { return g / (1.f + std::exp(-g)); }
+
+#if DS_X86
+// e^x for x <= 88: 2^k * e^r, |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative error ~2e-7);
+// below -87 the result is 2^-125.5 or so, never NaN.
+DS_AVX512 inline __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+  const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts
+  r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, k);
+}
+
+DS_AVX512 inline __mmask16 tail_mask(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+
+DS_AVX512 void rms_norm_avx512(const float* x, const float* w, int64_t d, float eps, float* y) {
+  __m512 ss = _mm512_setzero_ps();
+  for (int64_t e = 0; e < d; e += 16) {
+    const __mmask16 m = tail_mask(d - e);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + e);
+    ss = _mm512_fmadd_ps(v, v, ss);
+  }
+  const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps));
+  for (int64_t e = 0; e < d; e += 16) {
+    const __mmask16 m = tail_mask(d - e);
+    _mm512_mask_storeu_ps(y + e, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + e), r),
+                                                   _mm512_maskz_loadu_ps(m, w + e)));
+  }
+}
+
+// act[e] = silu(gate[e]) * up[e]
+DS_AVX512 void silu_mul_avx512(const float* gate, const float* up, int64_t d, float* act) {
+  for (int64_t e = 0; e < d; e += 16) {
+    const __mmask16 m = tail_mask(d - e);
+    const __m512 g = _mm512_maskz_loadu_ps(m, gate + e);
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    _mm512_mask_storeu_ps(act + e, m, _mm512_mul_ps(s, _mm512_maskz_loadu_ps(m, up + e)));
+  }
+}
+
+DS_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+DS_AVX512 inline __m512 load16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+#endif
+
+void rms_norm_row(const float* x, const float* w, int64_t d, float eps, float* y) {
+#if DS_X86
+  if (vector_isa()) return rms_norm_avx512(x, w, d, eps, y);
+#endif
+  rms_norm_scalar(x, w, d, eps, y);
+}
+
+void silu_mul_row(const float* gate, const float* up, int64_t d, float* act) {
+#if DS_X86
+  if (vector_isa()) return silu_mul_avx512(gate, up, d, act);
+#endif
+  for (int64_t e = 0; e < d; ++e) act[e] = silu_scalar(gate[e]) * up[e];
+}
+
+// ---------------------------------------------------------------- attention of one row, one KV head
+//
+// q: the `group` query heads [group, d] that read this KV head (already scaled); K, V: the slot's
+// keys / values for this layer and head [max_tokens, d]; keys: indices 0 .. keys - 1 are read,
+// those with valid[j] == 0 skipped (valid may be null). scores: scratch [group, keys].
+
+constexpr int64_t kMaxD = 256;
+
+template <typename T>
+void attend_scalar(const float* q, int64_t group, const T* K, const T* V, int64_t keys, int64_t d,
+                   const bool* valid, float* scores, float* out) {
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * keys;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < keys; ++j) {
+      if (valid && !valid[j]) continue;
+      float acc = 0.f;
+      for (int64_t e = 0; e < d; ++e) acc += q[g * d + e] * widen(K[j * d + e]);
+      s[j] = acc;
+      top = std::max(top, acc);
+    }
+    float total = 0.f;
+    for (int64_t e = 0; e < d; ++e) out[g * d + e] = 0.f;
+    for (int64_t j = 0; j < keys; ++j) {
+      if (valid && !valid[j]) continue;
+      const float p = std::exp(s[j] - top);
+      total += p;
+      for (int64_t e = 0; e < d; ++e) out[g * d + e] += p * widen(V[j * d + e]);
+    }
+    for (int64_t e = 0; e < d; ++e) out[g * d + e] /= total;
+  }
+}
+
+#if DS_X86
+template <typename T>
+DS_AVX512 void attend_avx512(const float* q, int64_t group, const T* K, const T* V, int64_t keys, int64_t d,
+                             const bool* valid, float* scores, float* out) {
+  const int64_t parts = d / 16;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < keys; ++j) {  // scores: each key is loaded once for the whole group
+    if (valid && !valid[j]) {
+      for (int64_t g = 0; g < group; ++g) scores[g * keys + j] = ninf;
+      continue;
+    }
+    __m512 k[kMaxD / 16];
+    for (int64_t c = 0; c < parts; ++c) k[c] = load16(K + j * d + 16 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * d;
+      __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), k[0]);
+      for (int64_t c = 1; c < parts; ++c) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + 16 * c), k[c], s);
+      scores[g * keys + j] = _mm512_reduce_add_ps(s);
+    }
+  }
+  std::vector<float> inv(group);
+  for (int64_t g = 0; g < group; ++g) {  // softmax numerators in place, 16 keys at a time
+    float* s = scores + g * keys;
+    __m512 top = _mm512_set1_ps(ninf);
+    for (int64_t j = 0; j < keys; j += 16) top = _mm512_max_ps(top, _mm512_mask_loadu_ps(top, tail_mask(keys - j), s + j));
+    const __m512 mv = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < keys; j += 16) {
+      const __mmask16 live = tail_mask(keys - j);
+      const __m512 sv = _mm512_maskz_loadu_ps(live, s + j);
+      const __mmask16 kept = _mm512_mask_cmp_ps_mask(live, sv, _mm512_set1_ps(ninf), _CMP_NEQ_OQ);
+      const __m512 p = _mm512_maskz_mov_ps(kept, exp16(_mm512_sub_ps(sv, mv)));
+      _mm512_mask_storeu_ps(s + j, live, p);
+      sum = _mm512_add_ps(sum, p);
+    }
+    inv[g] = 1.f / _mm512_reduce_add_ps(sum);
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {  // weighted values, four heads per pass over V
+    const int64_t g1 = std::min<int64_t>(group, g0 + 4);
+    __m512 acc[4][kMaxD / 16];
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t c = 0; c < parts; ++c) acc[g - g0][c] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < keys; ++j) {
+      if (valid && !valid[j]) continue;
+      __m512 v[kMaxD / 16];
+      for (int64_t c = 0; c < parts; ++c) v[c] = load16(V + j * d + 16 * c);
+      for (int64_t g = g0; g < g1; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * keys + j]);
+        for (int64_t c = 0; c < parts; ++c) acc[g - g0][c] = _mm512_fmadd_ps(p, v[c], acc[g - g0][c]);
+      }
+    }
+    for (int64_t g = g0; g < g1; ++g) {
+      const __m512 r = _mm512_set1_ps(inv[g]);
+      for (int64_t c = 0; c < parts; ++c) _mm512_storeu_ps(out + g * d + 16 * c, _mm512_mul_ps(acc[g - g0][c], r));
+    }
+  }
+}
+#endif
+
+template <typename T>
+void attend(const float* q, int64_t group, const T* K, const T* V, int64_t keys, int64_t d, const bool* valid,
+            float* scores, float* out) {
+#if DS_X86
+  if (vector_isa() && d % 16 == 0 && d <= kMaxD) return attend_avx512(q, group, K, V, keys, d, valid, scores, out);
+#endif
+  attend_scalar(q, group, K, V, keys, d, valid, scores, out);
+}
+
+// ---------------------------------------------------------------- projections through the registered ops
+
+using Nvfp4Op = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);
+using DenseOp = Tensor(const Tensor&, const Tensor&, int64_t);
+
+c10::TypedOperatorHandle<Nvfp4Op>& nvfp4_op() {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hetero_run::nvfp4_linear", "").typed<Nvfp4Op>();
+  return op;
+}
+
+c10::TypedOperatorHandle<DenseOp>& dense_op() {
+  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hetero_run::dense_linear", "").typed<DenseOp>();
+  return op;
+}
+
+Tensor to_bf16(const Tensor& x) {  // rounded to nearest even, as Tensor.to(bfloat16) does
+  Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
+  const float* xd = x.data_ptr<float>();
+  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t e = 0; e < x.numel(); ++e) narrow(xd[e], od + e);
+  return out;
+}
+
+struct Proj {
+  Tensor w, codes, scales, row_scale, bias;
+  bool bf16_x = false;
+  int64_t out = 0, in = 0;
+
+  bool set() const { return out > 0; }
+
+  // x f32 [n, in] contiguous -> f32 [n, out] contiguous, bias added
+  Tensor operator()(const Tensor& x) const {
+    Tensor y = codes.defined() ? nvfp4_op().call(x, codes, scales, row_scale, 0)
+                               : dense_op().call(bf16_x ? to_bf16(x) : x, w, 0);
+    if (y.scalar_type() != at::kFloat) y = y.to(at::kFloat);
+    y = y.contiguous();
+    if (bias.defined()) {
+      float* yd = y.data_ptr<float>();
+      const float* bd = bias.data_ptr<float>();
+      for (int64_t r = 0; r < y.size(0); ++r)
+        for (int64_t e = 0; e < out; ++e) yd[r * out + e] += bd[e];
+    }
+    return y;
+  }
+};
+
+Tensor contiguous_as(const Tensor& t, at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  return t.contiguous();
+}
+
+Proj make_proj(const std::optional<Tensor>& w, const std::optional<Tensor>& codes, const std::optional<Tensor>& scales,
+               const std::optional<Tensor>& row_scale, const std::optional<Tensor>& bias, bool bf16_x) {
+  Proj p;
+  if (codes.has_value()) {
+    TORCH_CHECK(!w.has_value() && scales.has_value() && row_scale.has_value(),
+                "an NVFP4 projection takes codes, block_scale and row_scale, and no dense w");
+    p.codes = contiguous_as(*codes, at::kByte, "codes");
+    p.scales = contiguous_as(*scales, at::kByte, "block_scale");
+    p.row_scale = contiguous_as(*row_scale, at::kFloat, "row_scale");
+    TORCH_CHECK(p.codes.dim() == 2 && p.scales.dim() == 2 && p.scales.size(0) == p.codes.size(0) &&
+                    p.scales.size(1) * 8 == p.codes.size(1) && p.row_scale.numel() == p.codes.size(0),
+                "NVFP4 shapes do not fit: codes ", p.codes.sizes(), ", block_scale ", p.scales.sizes(), ", row_scale ",
+                p.row_scale.sizes());
+    p.out = p.codes.size(0);
+    p.in = p.codes.size(1) * 2;
+  } else {
+    TORCH_CHECK(w.has_value(), "a projection needs a dense w or NVFP4 codes");
+    TORCH_CHECK(w->scalar_type() == at::kBFloat16 || w->scalar_type() == at::kFloat, "w must be bf16 or f32");
+    TORCH_CHECK(w->dim() == 2 && w->device().is_cpu(), "w must be a 2-D CPU tensor");
+    p.w = w->contiguous();
+    p.out = p.w.size(0);
+    p.in = p.w.size(1);
+    p.bf16_x = bf16_x && p.w.scalar_type() == at::kBFloat16;
+  }
+  if (bias.has_value()) {
+    p.bias = contiguous_as(*bias, at::kFloat, "bias");
+    TORCH_CHECK(p.bias.numel() == p.out, "bias needs ", p.out, " values, got ", p.bias.numel());
+  }
+  return p;
+}
+
+// ---------------------------------------------------------------- the class
+
+enum Which : int64_t { kQkv = 0, kO = 1, kGateUp = 2, kDown = 3 };
+
+struct Layer {
+  Tensor input_norm, post_norm, qk_norm;
+  Proj proj[4];
+};
+
+struct DraftStep : torch::CustomClassHolder {
+  int64_t layers, hidden, heads, kv_heads, d;
+  double eps;
+  Tensor embed, norm, cos, sin, k_cache, v_cache;
+  std::vector<Layer> L;
+  std::vector<Proj> head;
+
+  DraftStep(int64_t layers_, int64_t hidden_, int64_t heads_, int64_t kv_heads_, int64_t head_dim, double eps_,
+            Tensor embed_, Tensor norm_, Tensor cos_, Tensor sin_, Tensor k_cache_, Tensor v_cache_)
+      : layers(layers_), hidden(hidden_), heads(heads_), kv_heads(kv_heads_), d(head_dim), eps(eps_), L(layers_) {
+    TORCH_CHECK(layers > 0 && hidden > 0 && heads > 0 && kv_heads > 0 && d > 0 && heads % kv_heads == 0,
+                "bad shape: layers ", layers, ", hidden ", hidden, ", heads ", heads, ", kv_heads ", kv_heads,
+                ", head_dim ", d);
+    TORCH_CHECK(d % 2 == 0, "head_dim must be even for rotary embeddings, got ", d);
+    TORCH_CHECK(embed_.dim() == 2 && embed_.size(1) == hidden && embed_.device().is_cpu() &&
+                    (embed_.scalar_type() == at::kBFloat16 || embed_.scalar_type() == at::kFloat),
+                "embed must be a bf16 or f32 CPU tensor [vocab, ", hidden, "]");
+    embed = embed_.contiguous();
+    norm = contiguous_as(norm_, at::kFloat, "norm");
+    TORCH_CHECK(norm.numel() == hidden, "norm needs ", hidden, " values");
+    cos = contiguous_as(cos_, at::kFloat, "cos");
+    sin = contiguous_as(sin_, at::kFloat, "sin");
+    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == d && sin.sizes() == cos.sizes(), "cos and sin must be [positions, ",
+                d, "]");
+    TORCH_CHECK(k_cache_.dim() == 5 && k_cache_.size(1) == layers && k_cache_.size(2) == kv_heads &&
+                    k_cache_.size(4) == d && v_cache_.sizes() == k_cache_.sizes(),
+                "k_cache and v_cache must be [slots, ", layers, ", ", kv_heads, ", max_tokens, ", d, "]");
+    TORCH_CHECK(k_cache_.is_contiguous() && v_cache_.is_contiguous(), "the caches must be contiguous");
+    TORCH_CHECK(k_cache_.scalar_type() == v_cache_.scalar_type() &&
+                    (k_cache_.scalar_type() == at::kBFloat16 || k_cache_.scalar_type() == at::kFloat),
+                "the caches must both be bf16 or both f32");
+    k_cache = k_cache_;  // shared with the caller, written in place
+    v_cache = v_cache_;
+  }
+
+  void set_norms(int64_t layer, Tensor input_norm, Tensor post_norm, std::optional<Tensor> qk_norm) {
+    TORCH_CHECK(0 <= layer && layer < layers, "layer ", layer, " is not in 0..", layers - 1);
+    Layer& l = L[layer];
+    l.input_norm = contiguous_as(input_norm, at::kFloat, "input_norm");
+    l.post_norm = contiguous_as(post_norm, at::kFloat, "post_norm");
+    TORCH_CHECK(l.input_norm.numel() == hidden && l.post_norm.numel() == hidden, "norms need ", hidden, " values");
+    l.qk_norm = Tensor();
+    if (qk_norm.has_value()) {
+      l.qk_norm = contiguous_as(*qk_norm, at::kFloat, "qk_norm");
+      TORCH_CHECK(l.qk_norm.numel() == (heads + kv_heads) * d, "qk_norm must be [", heads + kv_heads, ", ", d, "]");
+    }
+  }
+
+  void set_proj(int64_t layer, int64_t which, std::optional<Tensor> w, std::optional<Tensor> codes,
+                std::optional<Tensor> scales, std::optional<Tensor> row_scale, std::optional<Tensor> bias, bool bf16_x) {
+    Proj p = make_proj(w, codes, scales, row_scale, bias, bf16_x);
+    if (layer == -1) {
+      TORCH_CHECK(which >= 0, "head numbers start at 0, got ", which);
+      TORCH_CHECK(p.in == hidden, "a head takes ", hidden, " inputs, got ", p.in);
+      if (static_cast<int64_t>(head.size()) <= which) head.resize(which + 1);
+      head[which] = p;
+      return;
+    }
+    TORCH_CHECK(0 <= layer && layer < layers, "layer ", layer, " is not in 0..", layers - 1);
+    TORCH_CHECK(0 <= which && which < 4, "projection ", which, " is not 0 (qkv), 1 (o), 2 (gate_up) or 3 (down)");
+    const int64_t qkv_out = (heads + 2 * kv_heads) * d;
+    if (which == kQkv) TORCH_CHECK(p.in == hidden && p.out == qkv_out, "qkv must be [", qkv_out, ", ", hidden, "]");
+    if (which == kO) TORCH_CHECK(p.in == heads * d && p.out == hidden, "o must be [", hidden, ", ", heads * d, "]");
+    if (which == kGateUp) TORCH_CHECK(p.in == hidden && p.out % 2 == 0, "gate_up must be [2 * intermediate, ", hidden, "]");
+    if (which == kDown) TORCH_CHECK(p.out == hidden, "down must have ", hidden, " outputs");
+    L[layer].proj[which] = p;
+  }
+
+  void drop_head(int64_t which) {
+    TORCH_CHECK(which > 0 && which < static_cast<int64_t>(head.size()), "no head ", which, " to drop");
+    head[which] = Proj();
+  }
+
+  Tensor forward(Tensor ids, Tensor slots, Tensor index, Tensor positions, std::optional<Tensor> mask, int64_t head_no) {
+    const int64_t n = ids.numel();
+    TORCH_CHECK(n > 0, "a forward needs at least one row");
+    for (const Tensor* t : {&ids, &slots, &index, &positions})
+      TORCH_CHECK(t->dim() == 1 && t->numel() == n && t->scalar_type() == at::kLong && t->device().is_cpu(),
+                  "ids, slots, index and positions must be int64 CPU tensors [", n, "]");
+    ids = ids.contiguous();
+    slots = slots.contiguous();
+    index = index.contiguous();
+    positions = positions.contiguous();
+    TORCH_CHECK(head_no >= 0 && head_no < static_cast<int64_t>(head.size()) && head[head_no].set(), "no head ", head_no);
+    for (int64_t l = 0; l < layers; ++l) {
+      TORCH_CHECK(L[l].input_norm.defined(), "layer ", l, " has no norms");
+      for (int w = 0; w < 4; ++w) TORCH_CHECK(L[l].proj[w].set(), "layer ", l, " lacks projection ", w);
+    }
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const int64_t* sl = slots.data_ptr<int64_t>();
+    const int64_t* ix = index.data_ptr<int64_t>();
+    const int64_t* ps = positions.data_ptr<int64_t>();
+    const int64_t num_slots = k_cache.size(0), max_tokens = k_cache.size(3);
+    int64_t widest = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      TORCH_CHECK(0 <= id[r] && id[r] < embed.size(0), "row ", r, ": token id ", id[r], " is not in 0..",
+                  embed.size(0) - 1);
+      TORCH_CHECK(0 <= sl[r] && sl[r] < num_slots, "row ", r, ": slot ", sl[r], " is not in 0..", num_slots - 1);
+      TORCH_CHECK(0 <= ix[r] && ix[r] < max_tokens, "row ", r, ": cache index ", ix[r], " is not in 0..",
+                  max_tokens - 1);
+      TORCH_CHECK(0 <= ps[r] && ps[r] < cos.size(0), "row ", r, ": position ", ps[r], " is not in 0..",
+                  cos.size(0) - 1);
+      widest = std::max(widest, ix[r] + 1);
+    }
+    const bool* mk = nullptr;
+    int64_t mask_stride = 0;
+    Tensor mask_c;
+    if (mask.has_value()) {
+      TORCH_CHECK(mask->dim() == 2 && mask->size(0) == n && mask->size(1) >= widest &&
+                      mask->scalar_type() == at::kBool && mask->device().is_cpu(),
+                  "mask must be a bool CPU tensor [", n, ", >= ", widest, "]");
+      mask_c = mask->contiguous();
+      mk = mask_c.data_ptr<bool>();
+      mask_stride = mask_c.size(1);
+      for (int64_t r = 0; r < n; ++r)
+        TORCH_CHECK(mk[r * mask_stride + ix[r]], "row ", r, ": the mask hides the row's own index ", ix[r]);
+    }
+    if (k_cache.scalar_type() == at::kBFloat16) return run<uint16_t>(n, id, sl, ix, ps, mk, mask_stride, head[head_no]);
+    return run<float>(n, id, sl, ix, ps, mk, mask_stride, head[head_no]);
+  }
+
+  template <typename T>
+  Tensor run(int64_t n, const int64_t* id, const int64_t* sl, const int64_t* ix, const int64_t* ps, const bool* mk,
+             int64_t mask_stride, const Proj& out_head) {
+    const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * d, half = d / 2;
+    const int64_t max_tokens = k_cache.size(3);
+    const float scale = 1.f / std::sqrt(static_cast<float>(d)), feps = static_cast<float>(eps);
+    Tensor h = at::empty({n, hidden}, f32), x = at::empty({n, hidden}, f32), att = at::empty({n, heads * d}, f32);
+    float* hd = h.data_ptr<float>();
+    float* xd = x.data_ptr<float>();
+    float* ad = att.data_ptr<float>();
+    const float* cd = cos.data_ptr<float>();
+    const float* sd = sin.data_ptr<float>();
+    T* kc = reinterpret_cast<T*>(k_cache.data_ptr());
+    T* vc = reinterpret_cast<T*>(v_cache.data_ptr());
+    if (embed.scalar_type() == at::kFloat) {
+      const float* e = embed.data_ptr<float>();
+      for (int64_t r = 0; r < n; ++r) std::memcpy(hd + r * hidden, e + id[r] * hidden, hidden * sizeof(float));
+    } else {
+      const uint16_t* e = reinterpret_cast<const uint16_t*>(embed.data_ptr());
+      for (int64_t r = 0; r < n; ++r)
+        for (int64_t c = 0; c < hidden; ++c) hd[r * hidden + c] = widen(e[id[r] * hidden + c]);
+    }
+    int64_t keys_total = 0;
+    for (int64_t r = 0; r < n; ++r) keys_total += ix[r] + 1;
+    // attention tasks (row, KV head) in parallel only when there is enough work to pay for waking threads
+    const int64_t grain = keys_total * heads * d * 2 < (1 << 18) ? n * kv_heads : 1;
+    std::vector<float> rotated(d);
+    for (int64_t l = 0; l < layers; ++l) {
+      const Layer& ly = L[l];
+      const float* in_norm = ly.input_norm.data_ptr<float>();
+      for (int64_t r = 0; r < n; ++r) rms_norm_row(hd + r * hidden, in_norm, hidden, feps, xd + r * hidden);
+      Tensor qkv = ly.proj[kQkv](x);  // [n, (heads + 2 kv_heads) d]: q heads, k heads, v heads
+      float* qd = qkv.data_ptr<float>();
+      const float* qk_norm = ly.qk_norm.defined() ? ly.qk_norm.data_ptr<float>() : nullptr;
+      for (int64_t r = 0; r < n; ++r) {
+        float* row = qd + r * qkv_width;
+        const float* c = cd + ps[r] * d;
+        const float* s = sd + ps[r] * d;
+        for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {  // q and k heads: norm (qwen3), rotate
+          float* v = row + hh * d;
+          if (qk_norm) rms_norm_row(v, qk_norm + hh * d, d, feps, v);
+          for (int64_t e = 0; e < d; ++e) rotated[e] = v[e] * c[e] + v[(e + half) % d] * s[e];
+          const float mult = hh < heads ? scale : 1.f;  // q carries the softmax scale from here on
+          for (int64_t e = 0; e < d; ++e) v[e] = rotated[e] * mult;
+        }
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          const int64_t at_ = (((sl[r] * layers + l) * kv_heads + g) * max_tokens + ix[r]) * d;
+          const float* kr = row + (heads + g) * d;
+          const float* vr = row + (heads + kv_heads + g) * d;
+          for (int64_t e = 0; e < d; ++e) {
+            narrow(kr[e], kc + at_ + e);
+            narrow(vr[e], vc + at_ + e);
+          }
+        }
+      }
+      at::parallel_for(0, n * kv_heads, grain, [&](int64_t t0, int64_t t1) {
+        std::vector<float> scores;
+        for (int64_t t = t0; t < t1; ++t) {
+          const int64_t r = t / kv_heads, g = t % kv_heads, keys = ix[r] + 1;
+          scores.resize(group * keys);
+          const int64_t base = ((sl[r] * layers + l) * kv_heads + g) * max_tokens * d;
+          attend<T>(qd + r * qkv_width + g * group * d, group, kc + base, vc + base, keys, d,
+                    mk ? mk + r * mask_stride : nullptr, scores.data(), ad + r * heads * d + g * group * d);
+        }
+      });
+      Tensor o = ly.proj[kO](att);
+      const float* od = o.data_ptr<float>();
+      for (int64_t e = 0; e < n * hidden; ++e) hd[e] += od[e];
+      const float* post_norm = ly.post_norm.data_ptr<float>();
+      for (int64_t r = 0; r < n; ++r) rms_norm_row(hd + r * hidden, post_norm, hidden, feps, xd + r * hidden);
+      Tensor gu = ly.proj[kGateUp](x);  // [n, 2 I]
+      const int64_t inter = ly.proj[kGateUp].out / 2;
+      Tensor act = at::empty({n, inter}, f32);
+      const float* gd = gu.data_ptr<float>();
+      float* actd = act.data_ptr<float>();
+      for (int64_t r = 0; r < n; ++r) silu_mul_row(gd + r * 2 * inter, gd + r * 2 * inter + inter, inter, actd + r * inter);
+      Tensor down = ly.proj[kDown](act);
+      const float* dd = down.data_ptr<float>();
+      for (int64_t e = 0; e < n * hidden; ++e) hd[e] += dd[e];
+    }
+    const float* fn = norm.data_ptr<float>();
+    for (int64_t r = 0; r < n; ++r) rms_norm_row(hd + r * hidden, fn, hidden, feps, xd + r * hidden);
+    return out_head(x);
+  }
+};
+
+}  // namespace
+}  // namespace hetero_run_drafter
+
+TORCH_LIBRARY_FRAGMENT(hetero_run, m) {
+  m.class_<hetero_run_drafter::DraftStep>("DraftStep")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, int64_t, double, at::Tensor, at::Tensor, at::Tensor,
+                       at::Tensor, at::Tensor, at::Tensor>())
+      .def("set_norms", &hetero_run_drafter::DraftStep::set_norms)
+      .def("set_proj", &hetero_run_drafter::DraftStep::set_proj)
+      .def("drop_head", &hetero_run_drafter::DraftStep::drop_head)
+      .def("forward", &hetero_run_drafter::DraftStep::forward);
+}

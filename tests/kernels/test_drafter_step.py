@@ -1,0 +1,153 @@
+"""The compiled drafter step (kernels/drafter_step.py) against its PyTorch reference, rows of one
+forward bit-identical to each row alone, trees through a mask, and the checks on bad rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hetero_run.kernels import nvfp4
+from hetero_run.kernels.drafter_step import (
+    DraftStep,
+    Projection,
+    StepLayer,
+    StepWeights,
+    compiled_available,
+    rotary_tables,
+)
+
+HIDDEN, HEADS, KV_HEADS, D, INTER, VOCAB, LAYERS, SLOTS, MAX_TOKENS = 64, 4, 2, 16, 96, 50, 2, 3, 24
+
+
+def _projection(out: int, inp: int, kind: str, g: torch.Generator, bias: bool = False) -> Projection:
+    w = torch.randn(out, inp, generator=g) * 0.2
+    b = torch.randn(out, generator=g) * 0.1 if bias else None
+    if kind == "nvfp4":
+        q = nvfp4.quantize(w)
+        return Projection(codes=q.codes, block_scale=q.block_scale, row_scale=q.global_scale.expand(out).clone(),
+                          bias=b)
+    if kind == "bf16":
+        return Projection(weight=w.bfloat16(), bias=b, bf16_x=True)
+    return Projection(weight=w, bias=b)
+
+
+def tiny_weights(kind: str = "fp32", qkv_bias: bool = False, qk_norm: bool = False, seed: int = 0) -> StepWeights:
+    g = torch.Generator().manual_seed(seed)
+    norm = (lambda *shape: 1 + 0.1 * torch.randn(*shape, generator=g))  # noqa: E731
+    layers = [StepLayer(norm(HIDDEN), _projection((HEADS + 2 * KV_HEADS) * D, HIDDEN, kind, g, qkv_bias),
+                        _projection(HIDDEN, HEADS * D, kind, g), norm(HIDDEN),
+                        _projection(2 * INTER, HIDDEN, kind, g), _projection(HIDDEN, INTER, kind, g),
+                        norm(HEADS + KV_HEADS, D) if qk_norm else None)
+              for _ in range(LAYERS)]
+    embed = torch.randn(VOCAB, HIDDEN, generator=g)
+    return StepWeights(HEADS, KV_HEADS, D, 1e-6, embed.bfloat16() if kind != "fp32" else embed, layers,
+                       norm(HIDDEN), _projection(VOCAB, HIDDEN, kind, g))
+
+
+def make_step(weights: StepWeights, cache_dtype=torch.bfloat16, compiled: bool | None = None) -> DraftStep:
+    shape = (SLOTS, LAYERS, KV_HEADS, MAX_TOKENS, D)
+    cos, sin = rotary_tables(1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)), MAX_TOKENS)
+    return DraftStep(weights, cos, sin, torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype),
+                     compiled=compiled)
+
+
+def rows(*triples):
+    """(id, slot, position) rows of a chain forward: index = position."""
+    ids, slots, positions = (torch.tensor(col, dtype=torch.long) for col in zip(*triples, strict=True))
+    return ids, slots, positions.clone(), positions
+
+
+needs_compiled = pytest.mark.skipif(not compiled_available(), reason="the compiled kernels do not build here")
+
+SCRIPT = [  # prefill slot 1, then slot 0, then a step mixing three slots, then one with two rows in slot 0
+    [(3, 1, 0), (7, 1, 1), (11, 1, 2), (4, 1, 3), (9, 1, 4)],
+    [(5, 0, 0), (6, 0, 1)],
+    [(8, 0, 2), (12, 1, 5), (1, 2, 0)],
+    [(2, 2, 1), (13, 0, 3), (14, 0, 4)],
+]
+
+
+@needs_compiled
+@pytest.mark.parametrize("kind, cache_dtype, qkv_bias, qk_norm", [
+    ("fp32", torch.float32, False, False), ("fp32", torch.float32, True, True), ("bf16", torch.bfloat16, True, False),
+    ("nvfp4", torch.bfloat16, False, True), ("nvfp4", torch.float32, False, False)])
+def test_compiled_step_matches_the_reference(kind, cache_dtype, qkv_bias, qk_norm):
+    weights = tiny_weights(kind, qkv_bias, qk_norm)
+    compiled, reference = make_step(weights, cache_dtype, True), make_step(weights, cache_dtype, False)
+    tol = 2e-5 if cache_dtype == torch.float32 else 2e-2  # a bf16 cache rounds keys either side of a tie
+    for step in SCRIPT:
+        got, want = compiled.forward(*rows(*step)), reference.forward(*rows(*step))
+        assert got.dtype == torch.float32 and got.shape == (len(step), VOCAB)
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+    torch.testing.assert_close(compiled.k_cache.float(), reference.k_cache.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(compiled.v_cache.float(), reference.v_cache.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("compiled", [pytest.param(True, marks=needs_compiled), False], ids=["compiled", "reference"])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "nvfp4"])
+def test_rows_of_a_batched_forward_equal_each_row_alone(compiled, kind):
+    weights = tiny_weights(kind, qkv_bias=True, seed=2)
+    batched, alone = make_step(weights, compiled=compiled), make_step(weights, compiled=compiled)
+    for step in SCRIPT:
+        together = batched.forward(*rows(*step))
+        for r, row in enumerate(step):
+            assert torch.equal(together[r:r + 1], alone.forward(*rows(row))), (step, r)
+    assert torch.equal(batched.k_cache, alone.k_cache) and torch.equal(batched.v_cache, alone.v_cache)
+
+
+def _chain_logits(weights, tokens: list[int], compiled) -> torch.Tensor:
+    step = make_step(weights, torch.float32, compiled)
+    return step.forward(*rows(*[(t, 0, i) for i, t in enumerate(tokens)]))
+
+
+@pytest.mark.parametrize("compiled", [pytest.param(True, marks=needs_compiled), False], ids=["compiled", "reference"])
+def test_tree_rows_see_only_their_ancestors(compiled):
+    weights = tiny_weights("fp32", qk_norm=True, seed=3)
+    step = make_step(weights, torch.float32, compiled)
+    prefix = [3, 7, 11]
+    step.forward(*rows(*[(t, 0, i) for i, t in enumerate(prefix)]))
+    # nodes 0:a 1:b(<-a) 2:c(<-a) 3:d(<-c) at cache indices 3..6, positions 3 + depth
+    ids, parents = [20, 21, 22, 23], [-1, 0, 0, 2]
+    depth = [0, 1, 1, 2]
+    mask = torch.zeros(4, 7, dtype=torch.bool)
+    mask[:, :3] = True
+    for i, parent in enumerate(parents):
+        mask[i, 3 + i] = True
+        while parent >= 0:
+            mask[i, 3 + parent] = True
+            parent = parents[parent]
+    logits = step.forward(torch.tensor(ids), torch.zeros(4, dtype=torch.long), torch.arange(3, 7),
+                          torch.tensor(depth) + 3, mask)
+    torch.testing.assert_close(logits[1], _chain_logits(weights, prefix + [20, 21], compiled)[-1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[3], _chain_logits(weights, prefix + [20, 22, 23], compiled)[-1], atol=1e-5,
+                               rtol=1e-5)
+    again = make_step(weights, torch.float32, compiled)  # a mask that hides nothing changes no bit
+    again.forward(*rows(*[(t, 0, i) for i, t in enumerate(prefix)]))
+    plain = again.forward(*rows((20, 0, 3)))
+    masked = again.forward(*rows((20, 0, 3)), torch.ones(1, 4, dtype=torch.bool))
+    assert torch.equal(plain, masked)
+
+
+@pytest.mark.parametrize("compiled", [pytest.param(True, marks=needs_compiled), False], ids=["compiled", "reference"])
+def test_an_extra_head_computes_its_rows(compiled):
+    weights = tiny_weights("nvfp4", seed=4)
+    step, full = make_step(weights, compiled=compiled), make_step(weights, compiled=compiled)
+    picked = torch.tensor([4, 17, 2, 33])
+    step.set_head(1, weights.head.rows(picked))
+    got = step.forward(*rows((3, 0, 0), (5, 0, 1)), head=1)
+    want = full.forward(*rows((3, 0, 0), (5, 0, 1)))[:, picked]
+    assert torch.equal(got, want)
+    step.set_head(1, None)
+    with pytest.raises((RuntimeError, KeyError)):
+        step.forward(*rows((6, 0, 2)), head=1)
+
+
+@needs_compiled
+@pytest.mark.parametrize("bad, match", [
+    (dict(ids=[VOCAB]), "token id"), (dict(slots=[SLOTS]), "slot"), (dict(index=[MAX_TOKENS]), "cache index"),
+    (dict(positions=[MAX_TOKENS]), "position")])
+def test_bad_rows_are_refused(bad, match):
+    step = make_step(tiny_weights(), compiled=True)
+    args = {"ids": [1], "slots": [0], "index": [0], "positions": [0], **bad}
+    with pytest.raises(RuntimeError, match=match):
+        step.forward(*(torch.tensor(args[k]) for k in ("ids", "slots", "index", "positions")))
