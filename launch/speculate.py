@@ -174,4 +174,5 @@ def load(args: argparse.Namespace, target, target_tokenizer, target_source: Path
 
     transformers_logging.disable_progress_bar()  # GGUF de-quantisation bars; the log says what loads
     torch_dtype = torch.float32 if dtype in ("fp32", "float32") else torch.bfloat16
-    return load_drafter(args.drafter, dtype=torch_dtype, max_tokens=target.max_tokens, weights=args.drafter_weights)
+    return load_drafter(args.drafter, dtype=torch_dtype, max_tokens=target.max_tokens, weights=args.drafter_weights,
+                        slots=getattr(args, "max_num_seqs", 1))  # serve drafts for each running request

@@ -79,7 +79,10 @@ class SpeculativeEngine:
         self.drafter_threads = None
         if drafter is not None and self.config.algorithm not in ("none", *MODEL_FREE):
             threads = self.config.drafter_threads
-            self.drafter_threads = threads or calibrate_threads(drafter.model)
+            if not threads:
+                with drafter.borrowed() as model:
+                    threads = calibrate_threads(model)
+            self.drafter_threads = threads
 
     def measurements(self, greedy: bool) -> tuple[CostModel, _Lengths]:
         if greedy not in self.measured:

@@ -10,6 +10,8 @@ run through transformers (`hf.HFDraftNetwork`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 import time
 from pathlib import Path
 
@@ -41,6 +43,19 @@ class Drafter:
         if self._model is None:
             self._model = self.network.view(self.network.acquire())
         return self._model
+
+    @contextmanager
+    def borrowed(self) -> Iterator[DraftModel]:
+        """A single-sequence view for a moment (timing a step): `model` once it exists, else a
+        free slot's, returned afterwards, so an engine lending slots loses none."""
+        if self._model is not None or self.network is None:
+            yield self.model
+            return
+        slot = self.network.acquire()
+        try:
+            yield self.network.view(slot)
+        finally:
+            self.network.release(slot)
 
     @property
     def name(self) -> str:

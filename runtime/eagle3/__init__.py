@@ -7,5 +7,8 @@ __all__ = ["EAGLE3_PREFIX", "Eagle3Drafter", "load_eagle3", "read_head", "is_eag
 
 
 def is_eagle3(drafter) -> bool:
-    """Whether a `Drafter` (or None) is an EAGLE-3 head."""
+    """Whether a `Drafter` (or None) is an EAGLE-3 head (never one with sequence slots: asking
+    those for `model` would take a slot)."""
+    if getattr(drafter, "network", None) is not None:
+        return False
     return isinstance(getattr(drafter, "model", None), Eagle3Drafter)

@@ -29,14 +29,14 @@ log = logging.getLogger("hetero_run.runtime.engine.speculation")
 
 
 class DrafterSlots:
-    """The drafter's per-sequence views: slots of a drafter network that has them, else its one
-    model, lent to one sequence at a time."""
+    """The drafter's per-sequence views: slots of its network (drafters.network / hf), else its
+    one model (an EAGLE-3 head), lent to one sequence at a time."""
 
     def __init__(self, drafter):
-        self.model = drafter.model if drafter is not None else None
-        self.network = getattr(self.model, "network", None)
-        if self.network is not None and not hasattr(self.network, "acquire"):
-            self.network = None
+        self.network = getattr(drafter, "network", None) if drafter is not None else None
+        self.model = None
+        if drafter is not None:
+            self.model = self.network if self.network is not None else drafter.model
         self.lent = False  # the one model, when there is no network
 
     @property
@@ -57,9 +57,9 @@ class DrafterSlots:
         return self.model
 
     def release(self, view) -> None:
-        if self.network is not None and getattr(view, "network", None) is self.network:
+        if self.network is not None:
             self.network.release(view.slot)
-        elif view is self.model:
+        else:
             self.lent = False
 
 

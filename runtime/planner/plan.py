@@ -193,8 +193,10 @@ def make_plan(
                           field="kv_cache_tokens")
 
     main = _Part.of(target, tp, dtype)
-    draft_dtype = (dtype if drafter.shape.eagle3 else runtime_dtype(drafter)) if drafter else None  # a head runs in
-    draft = _Part.of(drafter, 1, draft_dtype) if drafter else None  # the target's dtype
+    # the drafter runs in the target's dtype, whatever its file holds (launch/speculate.load): a head,
+    # a fast drafter (converted once: its projections and head in that dtype, or NVFP4, smaller) and a
+    # transformers drafter alike
+    draft = _Part.of(drafter, 1, dtype) if drafter else None
     seqs = batching.max_num_seqs
     rows = batching.max_num_batched_tokens
     target_ws = dict(rows=rows, logits_rows=min(rows, seqs * (draft_len + 1 if drafter else 1)))

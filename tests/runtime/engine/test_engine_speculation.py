@@ -76,3 +76,29 @@ def test_speculating_among_other_requests_keeps_every_output_the_targets(algorit
         assert sum(f.speculation.draft_tokens for f in finals.values()) > 0
     assert engine.speculation.free_slots == 1, "the drafter slot came back"
     assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def test_every_request_drafts_on_its_own_slot_and_stays_the_targets():
+    from hetero_run.runtime.drafters.hf import HFDraftNetwork
+
+    model, tokenizer = drafter_model("sentencepiece")
+    runner = TargetRunner(load_model(target_model(), max_tokens=256, kv_tokens=1024, dtype=torch.float32,
+                                     block_size=8))
+    drafter = Drafter(None, tokenizer, "sentencepiece", HFDraftNetwork(model, slots=4, max_tokens=256))
+    engine = LLMEngine(runner, support.byte_level(), EngineConfig(max_num_seqs=4, max_num_batched_tokens=64),
+                       drafter, SpeculationConfig(algorithm="slem", adaptive=False, draft_len=3))
+    tokens, finals = {}, {}
+    for i, prompt in enumerate(PROMPTS):
+        def sink(event, rid=f"r{i}"):
+            tokens.setdefault(rid, []).extend(event.token_ids)
+            if event.final:
+                finals[rid] = event
+        engine.add(_request(i, prompt), sink)
+    assert drafter.network.free_slots == 4
+    while engine.has_work():
+        engine.step()
+        assert drafter.network.free_slots >= 4 - engine.num_running
+    for i, prompt in enumerate(PROMPTS):
+        assert tuple(tokens[f"r{i}"]) == reference(prompt), prompt
+        assert finals[f"r{i}"].speculation.draft_tokens > 0, prompt  # each had a slot of its own
+    assert drafter.network.free_slots == 4 and engine.speculation.free_slots == 4
