@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 
 from hetero_run.runtime.driver import SpeculativeEngine
+from hetero_run.runtime.engine.lockstep import Lockstep
 from hetero_run.runtime.speculative.adaptive import _Line
 from hetero_run.runtime.speculative.config import MODEL_FREE, SpeculationConfig
 from hetero_run.runtime.speculative.round import RoundPlan, Verdict
@@ -38,6 +39,7 @@ class DrafterSlots:
         if drafter is not None:
             self.model = self.network if self.network is not None else drafter.model
         self.lent = False  # the one model, when there is no network
+        self.lockstep = Lockstep(self.network) if self.network is not None else None
 
     @property
     def free(self) -> int:
@@ -52,13 +54,13 @@ class DrafterSlots:
         if self.free == 0:
             return None
         if self.network is not None:
-            return self.network.view(self.network.acquire())
+            return self.lockstep.view(self.network.view(self.network.acquire()))
         self.lent = True
         return self.model
 
     def release(self, view) -> None:
         if self.network is not None:
-            self.network.release(view.slot)
+            self.network.release(view.slot)  # a LockstepView or the plain view: the same slot
         else:
             self.lent = False
 
@@ -135,26 +137,35 @@ class Speculation:
     # -- before a step -------------------------------------------------------------------------
 
     def plan(self, scheduled, scheduler) -> dict[int, _Round]:
-        """Rounds for the sequences whose next token this step decides, within its token budget
-        and the free blocks (a sequence still prefilling decides nothing)."""
-        budget = scheduler.max_num_batched_tokens - sum(item.rows for item in scheduled)
+        """Rounds for the sequences whose next token this step decides, within the step's token
+        budget and the free blocks (a sequence still prefilling decides nothing). Their drafter
+        forwards run together (lockstep.py)."""
         blocks = scheduler.blocks
-        rounds: dict[int, _Round] = {}
+        deciding = []
         for i, item in enumerate(scheduled):
             seq = item.seq
             self.admit(seq)
-            state = seq.speculation
             view = self.views.get(seq.number)
             if self.eagle3 and view is not None:  # the head reads this sequence's target states
                 view.bind(i, lambda seq=seq: seq.computed)
-            if not item.decides or getattr(state, "session", None) is None:
-                continue  # a prompt chunk, or the prompt's last row (its token comes from `first`)
-            room = blocks_room(seq, blocks)
-            state.room_cap = 1 + (min(budget, room) if item.rows == 1 else 0)  # a recompute decides one token
-            plan = state.propose()
-            blocks.grow(seq.table, seq.computed + item.rows + plan.k)
-            budget -= plan.k
-            rounds[i] = _Round(plan, len(state.token_ids))
+            if item.decides and getattr(seq.speculation, "session", None) is not None:
+                deciding.append(i)  # not a prompt chunk, nor the prompt's last row (`first` decides that one)
+        if not deciding:
+            return {}
+        budget = scheduler.max_num_batched_tokens - sum(item.rows for item in scheduled)
+        # rows each may add past its own blocks: whole free blocks each, within the step's budget
+        share = min(budget // len(deciding), blocks.num_free // len(deciding) * blocks.block_size)
+        for i in deciding:
+            item = scheduled[i]
+            own = item.seq.table.capacity(blocks.block_size) - (item.seq.computed + item.rows)
+            item.seq.speculation.room_cap = 1 + (own + share if item.rows == 1 else 0)  # a recompute: one token
+        run = self.slots.lockstep.run if self.slots.lockstep is not None else (lambda jobs: [j() for j in jobs])
+        plans = run([scheduled[i].seq.speculation.propose for i in deciding])
+        rounds: dict[int, _Round] = {}
+        for i, plan in zip(deciding, plans, strict=True):
+            seq = scheduled[i].seq
+            blocks.grow(seq.table, seq.computed + scheduled[i].rows + plan.k)
+            rounds[i] = _Round(plan, len(seq.speculation.token_ids))
         return rounds
 
     # -- after a step --------------------------------------------------------------------------
@@ -172,7 +183,3 @@ class Speculation:
         state.commit(verdict, seconds)
         return verdict, state.token_ids[r.before:]
 
-
-def blocks_room(seq, blocks) -> int:
-    """Draft rows the sequence's blocks (and the free ones) can hold after its pending token."""
-    return max(0, seq.table.capacity(blocks.block_size) - (seq.computed + 1) + blocks.num_free * blocks.block_size)

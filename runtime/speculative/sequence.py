@@ -153,10 +153,20 @@ class SpeculativeSequence:
         return rows if room is None else max(1, min(rows, room - self.position))
 
     def _model_k(self, k: int, room: int) -> int:
-        """A drafter length whose target rows fit `room` (slem: up to max_target_draft rows)."""
+        """A drafter length whose target rows fit `room` (slem: its re-tokenised draft is cut to
+        the room after drafting, see `_propose`)."""
         if self.model_name == "slem":
-            return k if room > min(self.config.max_target_draft, self.config.max_verify_rows - 1) else 0
+            return k if room >= 2 else 0
         return max(0, min(k, room - 1))
+
+    def _propose(self, room: int) -> RoundPlan:
+        """The drafter's chain of self.k, its target rows cut to the room (slem's re-tokenised draft
+        may hold more target tokens than drafter tokens; its rows are fixed candidates, any prefix
+        of them a valid draft)."""
+        plan = self.model.propose(self.k, self.position)
+        if plan.k > room - 1 and plan.draft_probs is None:
+            plan = RoundPlan(plan.draft_target_ids[:room - 1], None, plan.start, plan.extras)
+        return plan
 
     def _plan(self) -> RoundPlan:
         room, policy = self._room(), self.policy
@@ -164,7 +174,7 @@ class SpeculativeSequence:
             return self._label(self._empty(), "none")
         if policy == "model":
             self.k = self._model_k(self.lengths[self.model_name].next(), room)
-            self.model_plan = self.model.propose(self.k, self.position)
+            self.model_plan = self._propose(room)
             return self._label(self.model_plan, self.model_name if self.k else "none")
         candidates = self.modelfree.propose(room - 1) if self.modelfree is not None else []
         modelfree = DraftTree()
