@@ -10,9 +10,9 @@ run through transformers (`hf.HFDraftNetwork`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-import time
 from pathlib import Path
 
 import torch
