@@ -1,0 +1,97 @@
+// The AVX-512 dot-product block every AVX-512 linear kernel ends in: R weight rows against G
+// rows of x, both laid out the same way along the inputs (dense weights and x as they are;
+// decoded NVFP4 tiles and x permuted alike, see nvfp4_avx512.cpp).
+#pragma once
+
+#include <immintrin.h>
+
+#include "cpu_kernels.h"
+
+namespace hetero_run_cpu {
+
+// How one (x type, w type) pair loads V inputs and accumulates their V products into 16 floats.
+struct Bf16Dot {  // bf16 x, bf16 w: 32 products per vdpbf16ps, exact products, fp32 sums
+  using X = uint16_t;
+  using W = uint16_t;
+  static constexpr int V = 32;
+  static HR_AVX512 inline __m512i load(const uint16_t* p) { return _mm512_loadu_si512(p); }
+  static HR_AVX512 inline __m512i load(const uint16_t* p, int64_t left) {
+    return _mm512_maskz_loadu_epi16(left >= V ? ~__mmask32{0} : static_cast<__mmask32>((1ull << left) - 1), p);
+  }
+  static HR_AVX512BF16 inline __m512 fma(__m512 acc, __m512i w, __m512i x) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)x);
+  }
+};
+
+template <typename Wt>
+struct Fp32Fma {  // float32 x; float32 w, or bf16 w widened exactly: 16 FMAs
+  using X = float;
+  using W = Wt;
+  static constexpr int V = 16;
+  static HR_AVX512 inline __mmask16 mask(int64_t left) {
+    return left >= V ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+  }
+  static HR_AVX512 inline __m512 load(const float* p) { return _mm512_loadu_ps(p); }
+  static HR_AVX512 inline __m512 load(const float* p, int64_t left) { return _mm512_maskz_loadu_ps(mask(left), p); }
+  static HR_AVX512 inline __m512 load(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+  }
+  static HR_AVX512 inline __m512 load(const uint16_t* p, int64_t left) {
+    const __m256i h = _mm256_maskz_loadu_epi16(mask(left), p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+  static HR_AVX512 inline __m512 fma(__m512 acc, __m512 w, __m512 x) { return _mm512_fmadd_ps(w, x, acc); }
+};
+
+// res[q][i] = sum over `len` inputs of w[q * ldw + k] * x[i * ldx + k].
+// Every (q, i) pair sums in this one order, whatever R and G are: two accumulators over k in
+// steps of 2V, the tail in steps of V into the first, then a0 + a1 reduced by one fixed tree.
+// So a row of x gets the same bits whichever rows share its block. Compiled for AVX512-BF16
+// because the Bf16Dot instantiation needs it; the Fp32Fma ones use nothing beyond AVX-512F/BW
+// and run wherever AVX-512 does.
+// Registers: R * G * 2 accumulators + R weight vectors + one x vector, at most 29 of 32.
+template <typename T, int R, int G>
+HR_AVX512BF16 inline void dot_block(const typename T::W* w, int64_t ldw, const typename T::X* x, int64_t ldx,
+                                    int64_t len, float (&res)[R][G]) {
+  __m512 acc[R][G][2];
+  for (int q = 0; q < R; ++q)
+    for (int i = 0; i < G; ++i) acc[q][i][0] = acc[q][i][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 * T::V <= len; k += 2 * T::V) {
+    for (int j = 0; j < 2; ++j) {
+      decltype(T::load(w)) wv[R];
+      for (int q = 0; q < R; ++q) wv[q] = T::load(w + q * ldw + k + j * T::V);
+      for (int i = 0; i < G; ++i) {
+        const auto xv = T::load(x + i * ldx + k + j * T::V);
+        for (int q = 0; q < R; ++q) acc[q][i][j] = T::fma(acc[q][i][j], wv[q], xv);
+      }
+    }
+  }
+  for (; k < len; k += T::V) {
+    for (int i = 0; i < G; ++i) {
+      const auto xv = T::load(x + i * ldx + k, len - k);
+      for (int q = 0; q < R; ++q) acc[q][i][0] = T::fma(acc[q][i][0], T::load(w + q * ldw + k, len - k), xv);
+    }
+  }
+  for (int q = 0; q < R; ++q)
+    for (int i = 0; i < G; ++i) res[q][i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[q][i][0], acc[q][i][1]));
+}
+
+// R weight rows (starting at output row r) against all n rows of x, G at a time, the rest with
+// fewer: y[i, r + q] = res * scale[q] (no scale: res). Same order per pair whatever the grouping.
+template <typename T, int R, int G>
+void rows_times_x(const typename T::W* w, int64_t ldw, const typename T::X* x, int64_t ldx, int64_t n, int64_t len,
+                  int64_t r, const float* scale, float* y, int64_t out) {
+  int64_t i0 = 0;
+  for (; i0 + G <= n; i0 += G) {
+    float res[R][G];
+    dot_block<T, R, G>(w, ldw, x + i0 * ldx, ldx, len, res);
+    for (int q = 0; q < R; ++q)
+      for (int i = 0; i < G; ++i) y[(i0 + i) * out + r + q] = scale ? res[q][i] * scale[q] : res[q][i];
+  }
+  if constexpr (G > 1) {
+    if (i0 < n) rows_times_x<T, R, G - 1>(w, ldw, x + i0 * ldx, ldx, n - i0, len, r, scale, y + i0 * out, out);
+  }
+}
+
+}  // namespace hetero_run_cpu
