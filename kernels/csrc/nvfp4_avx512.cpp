@@ -187,19 +187,25 @@ void permute_x(const X* x, int64_t n, const Groups& L, X* xp, bool split_words) 
       map16[v * 32 + q] = elem(16, v, p);
       if (v < 4) map8[v * 32 + q] = elem(8, v, p);
     }
-  for (int64_t i = 0; i < n; ++i) {
-    const X* xr = x + i * L.in;
-    X* pr = xp + i * L.kp;
-    for (int64_t g = 0; g < L.count(); ++g) {
-      const int width = L.width(g);
-      const int* map = width == 16 ? map16 : map8;
-      const int64_t base = g * 256;
-      for (int k = 0; k < width * 16; ++k) {
-        const int64_t src = base + map[k];
-        pr[base + k] = src < L.in ? xr[src] : X(0);
+  at::parallel_for(0, n, std::max<int64_t>(1, 4096 / std::max<int64_t>(L.kp, 1)), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const X* xr = x + i * L.in;
+      X* pr = xp + i * L.kp;
+      for (int64_t g = 0; g < L.count(); ++g) {
+        const int width = L.width(g);
+        const int* map = width == 16 ? map16 : map8;
+        const int64_t base = g * 256;
+        if (base + width * 16 <= L.in) {
+          for (int k = 0; k < width * 16; ++k) pr[base + k] = xr[base + map[k]];
+        } else {
+          for (int k = 0; k < width * 16; ++k) {
+            const int64_t src = base + map[k];
+            pr[base + k] = src < L.in ? xr[src] : X(0);
+          }
+        }
       }
     }
-  }
+  });
 }
 
 // One group of one weight row against N rows of x: acc[i] += (sum of the group's products) * S.
