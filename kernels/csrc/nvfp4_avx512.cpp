@@ -11,9 +11,10 @@
 // low 5 bits in a 32-entry table (E2M1 as bf16, twice, so bit 4 is ignored), so V, V >> 4,
 // V >> 8 and V >> 12 decode to four vectors of 32 exact bf16 weights. All eight vectors of a
 // group map lane m to block m, so for each row of x
-//     t = sum over the 8 vectors of vdpbf16ps(weights, x)      (fp32, from 0)
-//     acc = fma(t, S, acc)                                       (S: the 16 block scales)
-// and y = reduce(acc) * row_scale. A row's last blocks form a group of 16 (masked) or of 8
+//     t0 = sum over vectors 0-3 of vdpbf16ps(weights, x), t1 = over vectors 4-7  (fp32, from 0)
+//     acc = fma(t1, S, fma(t0, S, acc))                          (S: the 16 block scales)
+// and y = reduce(acc) * row_scale (two short chains of dot products keep more of them in flight
+// than one long one). A row's last blocks form a group of 16 (masked) or of 8
 // (one vector per code shift, lanes 8-15 holding the blocks' second halves). x is permuted once
 // per call to the weights' order (elem() below), zero beyond in. Float32 x uses the same
 // weights widened exactly (a bf16 is the top half of its float32), two FMAs per vector.
@@ -64,8 +65,9 @@ alignas(64) constexpr int32_t kOddDwords[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 1
 alignas(64) constexpr int32_t kHalves8[16] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
 
 // No byte with a zero exponent (fp8 subnormal or zero) and no sign bit: the scales convert by
-// moving bits.
-inline bool plain_scales(uint64_t q) {
+// moving bits. (0: not plain.)
+inline bool plain_scales(uint64_t q) {  // usual: ModelOpt's block scales are positive normals
+  if (q == 0) return false;
   const uint64_t e = q & 0x7878787878787878ull;
   return ((e - 0x0101010101010101ull) & ~e & 0x8080808080808080ull) == 0 && (q & 0x8080808080808080ull) == 0;
 }
@@ -85,7 +87,7 @@ HR_AVX512 inline __m512 fp8_to_float(__m512i d) {
 // 16 scale bytes (lane l's block scale in byte l) -> 16 floats.
 HR_AVX512 inline __m512 lane_scales(__m128i b, uint64_t lo, uint64_t hi) {
   const __m512i d = _mm512_cvtepu8_epi32(b);
-  if (plain_scales(lo) && plain_scales(hi))
+  if (__builtin_expect(plain_scales(lo) && plain_scales(hi), 1))
     return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(d, 20), _mm512_set1_epi32(120 << 23)));
   return fp8_to_float(d);
 }
@@ -106,14 +108,16 @@ HR_AVX512 inline void decode_group(const Consts& k, const uint8_t* c, const uint
   const __m512i table = k.table;
   __m512i v[W / 8];
   __m128i sb;
-  uint64_t lo, hi;
+  uint64_t lo = 0, hi = 0;
   if constexpr (W == 16) {
     __m512i a, b;
     if (valid == 16) {
       a = _mm512_loadu_si512(c);
       b = _mm512_loadu_si512(c + 64);
       sb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
-    } else {  // missing blocks: codes 0 and scale 0
+      std::memcpy(&lo, s, 8);
+      std::memcpy(&hi, s + 8, 8);
+    } else {  // missing blocks: codes 0 and scale 0 (not plain: the exact conversion)
       a = _mm512_loadu_si512(c);
       b = _mm512_maskz_loadu_epi8((1ull << (8 * (valid - 8))) - 1, c + 64);
       sb = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << valid) - 1), s);
@@ -124,10 +128,9 @@ HR_AVX512 inline void decode_group(const Consts& k, const uint8_t* c, const uint
     const __m512i a = valid == 8 ? _mm512_loadu_si512(c) : _mm512_maskz_loadu_epi8((1ull << (8 * valid)) - 1, c);
     const __m128i s8 = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << valid) - 1), s);
     sb = _mm_unpacklo_epi64(s8, s8);
+    if (valid == 8) std::memcpy(&lo, s, 8), hi = lo;
     v[0] = _mm512_permutexvar_epi32(k.halves8, a);
   }
-  lo = static_cast<uint64_t>(_mm_cvtsi128_si64(sb));
-  hi = static_cast<uint64_t>(_mm_extract_epi64(sb, 1));
   S = lane_scales(sb, lo, hi);
   for (int h = 0; h < W / 8; ++h) {
     o[4 * h + 0] = _mm512_permutexvar_epi16(v[h], table);
@@ -214,13 +217,14 @@ HR_AVX512BF16 inline void fused_group(const Consts& k, const uint8_t* c, const u
                                       const typename M::X* x, int64_t ldx, __m512 (&acc)[N]) {
   __m512i o[W / 2];
   __m512 S;
-  _mm_prefetch(reinterpret_cast<const char*>(c + 1024), _MM_HINT_T0);
   decode_group<W>(k, c, s, valid, o, S);
-  __m512 t[N];
-  for (int i = 0; i < N; ++i) t[i] = _mm512_setzero_ps();
+  __m512 t[2][N];  // the group's first and second halves: two short chains instead of one long one
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < N; ++i) t[h][i] = _mm512_setzero_ps();
   for (int v = 0; v < W / 2; ++v)
-    for (int i = 0; i < N; ++i) t[i] = M::dot(t[i], o[v], x + i * ldx + v * 32);
-  for (int i = 0; i < N; ++i) acc[i] = _mm512_fmadd_ps(t[i], S, acc[i]);
+    for (int i = 0; i < N; ++i) t[v / (W / 4)][i] = M::dot(t[v / (W / 4)][i], o[v], x + i * ldx + v * 32);
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < N; ++i) acc[i] = _mm512_fmadd_ps(t[h][i], S, acc[i]);
 }
 
 // y[i, r] for rows r0 .. r1 - 1 and N rows of x, each weight row decoded once in registers.
@@ -292,23 +296,25 @@ HR_AVX512BF16 void tile_block(const __m512i* tile, int64_t stride, const Groups&
   const int tail_vectors = static_cast<int>(L.tail_width / 2);
   for (int64_t g = 0; g < groups; ++g) {
     const int vectors = g < full ? 8 : tail_vectors;
-    __m512 part[R][G];
-    for (int q = 0; q < R; ++q)
-      for (int i = 0; i < G; ++i) part[q][i] = _mm512_setzero_ps();
     const typename M::X* xg = x + g * 256;
-    for (int v = 0; v < vectors; ++v) {
-      for (int u = 0; u < M::kUnits; ++u) {
-        __m512i w[R];
-        for (int q = 0; q < R; ++q) w[q] = _mm512_load_si512(t + q * stride + v * M::kUnits + u);
-        for (int i = 0; i < G; ++i) {
-          const auto xv = M::load_x(xg + i * kp + v * 32 + u * 16);
-          for (int q = 0; q < R; ++q) part[q][i] = M::dot_unit(part[q][i], w[q], xv);
+    for (int h = 0; h < 2; ++h) {  // the group's halves, each summed from 0 then scaled in
+      __m512 part[R][G];
+      for (int q = 0; q < R; ++q)
+        for (int i = 0; i < G; ++i) part[q][i] = _mm512_setzero_ps();
+      for (int v = h * vectors / 2; v < (h + 1) * vectors / 2; ++v) {
+        for (int u = 0; u < M::kUnits; ++u) {
+          __m512i w[R];
+          for (int q = 0; q < R; ++q) w[q] = _mm512_load_si512(t + q * stride + v * M::kUnits + u);
+          for (int i = 0; i < G; ++i) {
+            const auto xv = M::load_x(xg + i * kp + v * 32 + u * 16);
+            for (int q = 0; q < R; ++q) part[q][i] = M::dot_unit(part[q][i], w[q], xv);
+          }
         }
       }
-    }
-    for (int q = 0; q < R; ++q) {
-      const __m512 S = _mm512_load_ps(reinterpret_cast<const float*>(t + q * stride + vectors * M::kUnits));
-      for (int i = 0; i < G; ++i) acc[q][i] = _mm512_fmadd_ps(part[q][i], S, acc[q][i]);
+      for (int q = 0; q < R; ++q) {
+        const __m512 S = _mm512_load_ps(reinterpret_cast<const float*>(t + q * stride + vectors * M::kUnits));
+        for (int i = 0; i < G; ++i) acc[q][i] = _mm512_fmadd_ps(part[q][i], S, acc[q][i]);
+      }
     }
     t += vectors * M::kUnits + 1;
   }
