@@ -19,11 +19,14 @@
 // per call to the weights' order (elem() below), zero beyond in. Float32 x uses the same
 // weights widened exactly (a bf16 is the top half of its float32), two FMAs per vector.
 //
-// Up to 4 rows of x each weight row is decoded in registers and multiplied straight away (one
-// sequential stream of codes). More rows: each thread decodes 16 weight rows into an L1/L2
-// tile (weights and scales as above) and multiplies it with every row of x, 3 x rows by 4
-// weight rows at a time, in passes of x that fit L2; every (weight row, x row) pair performs
-// exactly the same operations in the same order either way, so rows are batch-invariant.
+// Up to 16 rows of x (while they fit L1; 4 rows always) each weight row is decoded in registers
+// and multiplied straight away, once per group of up to 8 rows of x (one sequential stream of
+// codes). More rows: each thread decodes 16 weight rows into an L1/L2 tile (weights and scales
+// as above) and multiplies it with every row of x, 3 x rows by 4 weight rows at a time, in
+// passes of x that fit L2. Every (weight row, x row) pair performs exactly the same operations
+// in the same order either way, so rows are batch-invariant.
+#include <utility>
+
 #include "cpu_kernels.h"
 
 #if HR_X86
@@ -100,13 +103,12 @@ struct Consts {
         odd(_mm512_load_si512(kOddDwords)), halves8(_mm512_load_si512(kHalves8)) {}
 };
 
-// One group: `width` 16 or 8 blocks, `valid` of them present -> width / 2 weight vectors
-// (bf16, unscaled) and the lanes' block scales.
+// One group: `width` 16 or 8 blocks, `valid` of them present -> its code words, one block per
+// dword lane (width 16: v[0] the blocks' bytes 0-3, v[1] bytes 4-7; width 8: v[0]), and the
+// lanes' block scales.
 template <int W>
-HR_AVX512 inline void decode_group(const Consts& k, const uint8_t* c, const uint8_t* s, int valid,
-                                   __m512i (&o)[W / 2], __m512& S) {
-  const __m512i table = k.table;
-  __m512i v[W / 8];
+HR_AVX512 inline void group_words(const Consts& k, const uint8_t* c, const uint8_t* s, int valid,
+                                  __m512i (&v)[W / 8], __m512& S) {
   __m128i sb;
   uint64_t lo = 0, hi = 0;
   if constexpr (W == 16) {
@@ -132,12 +134,22 @@ HR_AVX512 inline void decode_group(const Consts& k, const uint8_t* c, const uint
     v[0] = _mm512_permutexvar_epi32(k.halves8, a);
   }
   S = lane_scales(sb, lo, hi);
-  for (int h = 0; h < W / 8; ++h) {
-    o[4 * h + 0] = _mm512_permutexvar_epi16(v[h], table);
-    o[4 * h + 1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[h], 4), table);
-    o[4 * h + 2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[h], 8), table);
-    o[4 * h + 3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(v[h], 12), table);
-  }
+}
+
+// Weight vector `vi` of a group (width / 2 of them): the codes at shift 4 * (vi % 4) of v[vi / 4].
+template <int W>
+HR_AVX512 inline __m512i weight_vector(const Consts& k, const __m512i (&v)[W / 8], int vi) {
+  const __m512i words = v[vi / 4];
+  const int shift = 4 * (vi % 4);
+  return _mm512_permutexvar_epi16(shift ? _mm512_srli_epi16(words, shift) : words, k.table);
+}
+
+template <int W>
+HR_AVX512 inline void decode_group(const Consts& k, const uint8_t* c, const uint8_t* s, int valid,
+                                   __m512i (&o)[W / 2], __m512& S) {
+  __m512i v[W / 8];
+  group_words<W>(k, c, s, valid, v, S);
+  for (int vi = 0; vi < W / 2; ++vi) o[vi] = weight_vector<W>(k, v, vi);
 }
 
 // How decoded weight vectors meet x: bf16 x with vdpbf16ps, or float32 x with the weights
@@ -146,8 +158,11 @@ HR_AVX512 inline void decode_group(const Consts& k, const uint8_t* c, const uint
 struct Bf16Mode {
   using X = uint16_t;
   static constexpr int kUnits = 1;
+  // x straight from memory into the dot product (gcc 12 otherwise passes the load through the
+  // stack on its way to the bf16 vector type)
   static HR_AVX512BF16 inline __m512 dot(__m512 t, __m512i o, const uint16_t* x) {
-    return _mm512_dpbf16_ps(t, (__m512bh)o, (__m512bh)_mm512_loadu_si512(x));
+    __asm__("vdpbf16ps %2, %1, %0" : "+v"(t) : "v"(o), "m"(*reinterpret_cast<const __m512i*>(x)));
+    return t;
   }
   static HR_AVX512 inline void store(__m512i o, __m512i* t) { _mm512_store_si512(t, o); }
   // A tile unit (the stored vector) against x: the same operation as dot.
@@ -211,41 +226,82 @@ void permute_x(const X* x, int64_t n, const Groups& L, X* xp, bool split_words) 
   });
 }
 
-// One group of one weight row against N rows of x: acc[i] += (sum of the group's products) * S.
+// Weight vector VI of a group (from its code words `words`), times N rows of x, into t.
+template <typename M, int N, int VI>
+HR_AVX512BF16 inline void dot_vector(const Consts& k, __m512i words, const typename M::X* x, int64_t ldx,
+                                     __m512 (&t)[N]) {
+  constexpr int kShift = 4 * (VI % 4);
+  __m512i idx = words;
+  if constexpr (kShift != 0) idx = _mm512_srli_epi16(words, kShift);
+  const __m512i o = _mm512_permutexvar_epi16(idx, k.table);
+  for (int i = 0; i < N; ++i) t[i] = M::dot(t[i], o, x + i * ldx + VI * 32);
+}
+
+// One half of a group: its vectors' dot products from 0, then acc[i] = fma(t, S, acc[i]).
+template <typename M, int N, int W, int H, int... U>
+HR_AVX512BF16 inline void fused_half(const Consts& k, const __m512i (&v)[W / 8], __m512 S, const typename M::X* x,
+                                     int64_t ldx, __m512 (&acc)[N], std::integer_sequence<int, U...>) {
+  __m512 t[N];
+  for (int i = 0; i < N; ++i) t[i] = _mm512_setzero_ps();
+  constexpr int kHalf = W / 4;  // vectors per half
+  (dot_vector<M, N, H * kHalf + U>(k, v[(H * kHalf + U) / 4], x, ldx, t), ...);
+  for (int i = 0; i < N; ++i) acc[i] = _mm512_fmadd_ps(t[i], S, acc[i]);
+}
+
+// One group of one weight row against N rows of x: for each half of the group's vectors,
+// t = its dot products from 0, acc[i] = fma(t, S, acc[i]). Each weight vector is decoded right
+// before its dot products, so up to 8 rows of x fit the registers.
 template <typename M, int N, int W>
 HR_AVX512BF16 inline void fused_group(const Consts& k, const uint8_t* c, const uint8_t* s, int valid,
                                       const typename M::X* x, int64_t ldx, __m512 (&acc)[N]) {
-  __m512i o[W / 2];
+  __m512i v[W / 8];
   __m512 S;
-  decode_group<W>(k, c, s, valid, o, S);
-  __m512 t[2][N];  // the group's first and second halves: two short chains instead of one long one
-  for (int h = 0; h < 2; ++h)
-    for (int i = 0; i < N; ++i) t[h][i] = _mm512_setzero_ps();
-  for (int v = 0; v < W / 2; ++v)
-    for (int i = 0; i < N; ++i) t[v / (W / 4)][i] = M::dot(t[v / (W / 4)][i], o[v], x + i * ldx + v * 32);
-  for (int h = 0; h < 2; ++h)
-    for (int i = 0; i < N; ++i) acc[i] = _mm512_fmadd_ps(t[h][i], S, acc[i]);
+  group_words<W>(k, c, s, valid, v, S);
+  fused_half<M, N, W, 0>(k, v, S, x, ldx, acc, std::make_integer_sequence<int, W / 4>{});
+  fused_half<M, N, W, 1>(k, v, S, x, ldx, acc, std::make_integer_sequence<int, W / 4>{});
 }
 
-// y[i, r] for rows r0 .. r1 - 1 and N rows of x, each weight row decoded once in registers.
+// y[i * out] for one weight row (codes c, scales s) and N rows of x.
 template <typename M, int N>
-HR_AVX512BF16 void fused_rows(const typename M::X* xp, const Groups& L, const uint8_t* codes, const uint8_t* scales,
-                              const float* row_scale, int64_t r0, int64_t r1, float* y, int64_t out) {
-  const int64_t half = L.in / 2, nb = L.in / kGroup, full = L.full, kp = L.kp, tail = L.tail_width;
-  const int tail_valid = static_cast<int>(L.tail_blocks);
+HR_AVX512BF16 void fused_row(const Consts& k, const Groups& L, const uint8_t* c, const uint8_t* s, float row_scale,
+                             const typename M::X* xp, float* y, int64_t out) {
+  __m512 acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
+  const int64_t full = L.full, kp = L.kp;
+  for (int64_t g = 0; g < full; ++g) fused_group<M, N, 16>(k, c + g * 128, s + g * 16, 16, xp + g * 256, kp, acc);
+  if (L.tail_width == 16)
+    fused_group<M, N, 16>(k, c + full * 128, s + full * 16, static_cast<int>(L.tail_blocks), xp + full * 256, kp, acc);
+  else if (L.tail_width == 8)
+    fused_group<M, N, 8>(k, c + full * 128, s + full * 16, static_cast<int>(L.tail_blocks), xp + full * 256, kp, acc);
+  for (int i = 0; i < N; ++i) y[i * out] = _mm512_reduce_add_ps(acc[i]) * row_scale;
+}
+
+// Rows r0 .. r1 - 1 against the n (at most kFusedRows) rows of x, in groups of up to 8 rows of x
+// of near-equal size; a weight row is decoded once per group.
+template <typename M>
+HR_AVX512 void fused_rows(const typename M::X* xp, int64_t n, const Groups& L, const uint8_t* codes,
+                          const uint8_t* scales, const float* row_scale, int64_t r0, int64_t r1, float* y, int64_t out) {
   const Consts k;
+  const int64_t groups = (n + 7) / 8, half = L.in / 2, nb = L.in / kGroup;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* c = codes + r * half;
     const uint8_t* s = scales + r * nb;
-    __m512 acc[N];
-    for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < full; ++g) fused_group<M, N, 16>(k, c + g * 128, s + g * 16, 16, xp + g * 256, kp, acc);
-    const int64_t g = full;
-    if (tail == 16)
-      fused_group<M, N, 16>(k, c + g * 128, s + g * 16, tail_valid, xp + g * 256, kp, acc);
-    else if (tail == 8)
-      fused_group<M, N, 8>(k, c + g * 128, s + g * 16, tail_valid, xp + g * 256, kp, acc);
-    for (int i = 0; i < N; ++i) y[i * out + r] = _mm512_reduce_add_ps(acc[i]) * row_scale[r];
+    for (int64_t g = 0, i0 = 0; g < groups; ++g) {
+      const int64_t m = (n - i0 + (groups - g) - 1) / (groups - g);
+      const typename M::X* xs = xp + i0 * L.kp;
+      float* ys = y + i0 * out + r;
+      switch (m) {
+        case 1: fused_row<M, 1>(k, L, c, s, row_scale[r], xs, ys, out); break;
+        case 2: fused_row<M, 2>(k, L, c, s, row_scale[r], xs, ys, out); break;
+        case 3: fused_row<M, 3>(k, L, c, s, row_scale[r], xs, ys, out); break;
+        case 4: fused_row<M, 4>(k, L, c, s, row_scale[r], xs, ys, out); break;
+        case 5: fused_row<M, 5>(k, L, c, s, row_scale[r], xs, ys, out); break;
+        case 6: fused_row<M, 6>(k, L, c, s, row_scale[r], xs, ys, out); break;
+        case 7: fused_row<M, 7>(k, L, c, s, row_scale[r], xs, ys, out); break;
+        default: fused_row<M, 8>(k, L, c, s, row_scale[r], xs, ys, out); break;
+      }
+      i0 += m;
+    }
   }
 }
 
@@ -337,7 +393,8 @@ void tile_times_x(const __m512i* tile, int64_t stride, const Groups& L, const ty
   }
 }
 
-constexpr int64_t kFusedRows = 4;  // rows of x up to which weights are decoded in registers
+constexpr int64_t kFusedRows = 16;  // rows of x up to which weights are decoded in registers
+constexpr int64_t kFusedBytes = 32 << 10;  // ... while those rows of x fit L1
 constexpr int64_t kTileRows = 16;
 
 template <typename M>
@@ -345,14 +402,10 @@ void nvfp4_rows(const typename M::X* xp, int64_t n, const Groups& L, const uint8
                 const float* row_scale, int64_t out, float* y) {
   const int64_t in = L.in;
   int64_t grain = grain_rows(in / 2 + in / kGroup);
-  if (n <= kFusedRows) {
+  const int64_t x_bytes = n * L.kp * static_cast<int64_t>(sizeof(typename M::X));
+  if (n <= 4 || (n <= kFusedRows && x_bytes <= kFusedBytes)) {
     at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
-      switch (n) {
-        case 1: fused_rows<M, 1>(xp, L, codes, scales, row_scale, r0, r1, y, out); break;
-        case 2: fused_rows<M, 2>(xp, L, codes, scales, row_scale, r0, r1, y, out); break;
-        case 3: fused_rows<M, 3>(xp, L, codes, scales, row_scale, r0, r1, y, out); break;
-        default: fused_rows<M, 4>(xp, L, codes, scales, row_scale, r0, r1, y, out); break;
-      }
+      fused_rows<M>(xp, n, L, codes, scales, row_scale, r0, r1, y, out);
     });
     return;
   }
