@@ -1,7 +1,7 @@
 """Linear layers at the real models' shapes: NVFP4 vs bf16 vs fp32, decode-shaped and prefill-sized.
 
     python bench/nvfp4_linear.py [--batch 1 8] [--prefill 128 512] [--json] [--seconds 0.5]
-                                 [--working-set-mb 1024]
+                                 [--working-set-mb 1024] [--threads N] [--cpu-time]
 
 For each layer shape and batch size (1 = decode, 8 = verifying a draft) it times y = x @ W.T:
   nvfp4        runtime NVFP4Weight (packed codes + fp8 scales; compiled kernel when available)
@@ -24,7 +24,8 @@ row count, against what prefill ran on before they did, for bf16 and float32 act
   dense torch  torch.nn.functional.linear on the same weights
 one weight per shape (a prefill product is compute-bound), best of --seconds, with the ratio
 kernel / torch (below 1: the kernel is faster). Figures vary with machine load; rerun on a
-quiet machine for reference numbers.
+quiet machine for reference numbers, or time CPU time with `--threads 1 --cpu-time` where
+other jobs share the machine.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ QWEN3_235B_TP2 = [  # one rank's slice at TP=2
     ("qwen3-235b tp2", "expert down", 4096, 1536 // 2, 94 * 8),
 ]
 FORMATS = ("nvfp4", "bf16", "bf16 torch", "fp32 torch")
+CLOCK = [time.perf_counter]  # or time.process_time (--cpu-time)
 
 
 @dataclass
@@ -110,12 +112,13 @@ def measure(fmt: str, out_f: int, in_f: int, batch: int, seconds: float, working
     for fn in fns[: min(len(fns), 4)]:
         fn(x)
     # Best pass over all copies: other processes on a shared machine only ever slow a pass down.
-    best, start = float("inf"), time.perf_counter()
-    while time.perf_counter() - start < seconds or best == float("inf"):
-        t0 = time.perf_counter()
+    clock = CLOCK[0]
+    best, start = float("inf"), clock()
+    while clock() - start < seconds or best == float("inf"):
+        t0 = clock()
         for fn in fns:
             fn(x)
-        best = min(best, (time.perf_counter() - t0) / len(fns))
+        best = min(best, (clock() - t0) / len(fns))
     return best, nbytes
 
 
@@ -224,12 +227,13 @@ def run_prefill(shapes, rows_list, seconds: float) -> list[PrefillResult]:
                 for _ in range(2):  # round robin, so load changes touch every format alike
                     for name in PREFILL_FORMATS:
                         fns[name](x)
-                        start = time.perf_counter()
+                        clock = CLOCK[0]
+                        start = clock()
                         while True:
-                            t0 = time.perf_counter()
+                            t0 = clock()
                             fns[name](x)
-                            best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
-                            if time.perf_counter() - start > seconds / 2:
+                            best[name] = min(best.get(name, float("inf")), clock() - t0)
+                            if clock() - start > seconds / 2:
                                 break
                 results.append(PrefillResult(model, layer, out_f, in_f, rows, str(x_dtype).removeprefix("torch."),
                                              {k: v * 1e3 for k, v in best.items()}))
@@ -257,10 +261,15 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen3-235b"],
                         choices=["qwen2.5-0.5b", "qwen3-235b"])
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--cpu-time", action="store_true", help="time CPU time, not wall time (with --threads 1)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        if torch.get_num_threads() != 1:
+            parser.error("--cpu-time needs --threads 1 (other threads' waiting would count)")
+        CLOCK[0] = time.process_time
     shapes = (QWEN25_05B if "qwen2.5-0.5b" in args.models else []) + (
         QWEN3_235B_TP2 if "qwen3-235b" in args.models else [])
     lib = cpu_ext.ops()  # build before timing
@@ -277,7 +286,8 @@ def main(argv=None) -> int:
     else:
         console = Console(width=max(Console().width, 170))
         console.print(f"threads {env['threads']}, compiled kernels {'yes' if lib is not None else 'NO'} "
-                      f"({cpu_ext.describe()}), torch {env['torch']}")
+                      f"({cpu_ext.describe()}), torch {env['torch']}, "
+                      f"{'CPU' if CLOCK[0] is time.process_time else 'wall'} time")
         print_tables(console, results, args.batch)
         if prefill:
             print_prefill(console, prefill)

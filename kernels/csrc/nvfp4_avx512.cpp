@@ -164,6 +164,13 @@ struct Bf16Mode {
     __asm__("vdpbf16ps %2, %1, %0" : "+v"(t) : "v"(o), "m"(*reinterpret_cast<const __m512i*>(x)));
     return t;
   }
+  // The same at x + kOffset elements, the offset an immediate: one base register per row of x,
+  // which gcc otherwise multiplies into a register (and a spill) per row and vector.
+  template <int kOffset>
+  static HR_AVX512BF16 inline __m512 dot_at(__m512 t, __m512i o, const uint16_t* x) {
+    __asm__("vdpbf16ps %c[off](%[x]), %[o], %[t]" : [t] "+v"(t) : [o] "v"(o), [x] "r"(x), [off] "i"(kOffset * 2));
+    return t;
+  }
   static HR_AVX512 inline void store(__m512i o, __m512i* t) { _mm512_store_si512(t, o); }
   // A tile unit (the stored vector) against x: the same operation as dot.
   static HR_AVX512 inline __m512i load_x(const uint16_t* x) { return _mm512_loadu_si512(x); }
@@ -182,6 +189,13 @@ struct Fp32Mode {
   static HR_AVX512 inline __m512 dot(__m512 t, __m512i o, const float* x) {
     t = _mm512_fmadd_ps(low(o), _mm512_loadu_ps(x), t);
     return _mm512_fmadd_ps(high(o), _mm512_loadu_ps(x + 16), t);
+  }
+  template <int kOffset>
+  static HR_AVX512 inline __m512 dot_at(__m512 t, __m512i o, const float* x) {
+    const __m512 lo = low(o), hi = high(o);
+    __asm__("vfmadd231ps %c[off](%[x]), %[w], %[t]" : [t] "+v"(t) : [w] "v"(lo), [x] "r"(x), [off] "i"(kOffset * 4));
+    __asm__("vfmadd231ps %c[off](%[x]), %[w], %[t]" : [t] "+v"(t) : [w] "v"(hi), [x] "r"(x), [off] "i"(kOffset * 4 + 64));
+    return t;
   }
   static HR_AVX512 inline void store(__m512i o, __m512i* t) {
     _mm512_store_ps(reinterpret_cast<float*>(t), low(o));
@@ -228,23 +242,24 @@ void permute_x(const X* x, int64_t n, const Groups& L, X* xp, bool split_words) 
 
 // Weight vector VI of a group (from its code words `words`), times N rows of x, into t.
 template <typename M, int N, int VI>
-HR_AVX512BF16 inline void dot_vector(const Consts& k, __m512i words, const typename M::X* x, int64_t ldx,
+HR_AVX512BF16 inline void dot_vector(const Consts& k, __m512i words, const typename M::X* const (&x)[N],
                                      __m512 (&t)[N]) {
   constexpr int kShift = 4 * (VI % 4);
   __m512i idx = words;
   if constexpr (kShift != 0) idx = _mm512_srli_epi16(words, kShift);
   const __m512i o = _mm512_permutexvar_epi16(idx, k.table);
-  for (int i = 0; i < N; ++i) t[i] = M::dot(t[i], o, x + i * ldx + VI * 32);
+  for (int i = 0; i < N; ++i) t[i] = M::template dot_at<VI * 32>(t[i], o, x[i]);
 }
 
 // One half of a group: its vectors' dot products from 0, then acc[i] = fma(t, S, acc[i]).
 template <typename M, int N, int W, int H, int... U>
-HR_AVX512BF16 inline void fused_half(const Consts& k, const __m512i (&v)[W / 8], __m512 S, const typename M::X* x,
-                                     int64_t ldx, __m512 (&acc)[N], std::integer_sequence<int, U...>) {
+HR_AVX512BF16 inline void fused_half(const Consts& k, const __m512i (&v)[W / 8], __m512 S,
+                                     const typename M::X* const (&x)[N], __m512 (&acc)[N],
+                                     std::integer_sequence<int, U...>) {
   __m512 t[N];
   for (int i = 0; i < N; ++i) t[i] = _mm512_setzero_ps();
   constexpr int kHalf = W / 4;  // vectors per half
-  (dot_vector<M, N, H * kHalf + U>(k, v[(H * kHalf + U) / 4], x, ldx, t), ...);
+  (dot_vector<M, N, H * kHalf + U>(k, v[(H * kHalf + U) / 4], x, t), ...);
   for (int i = 0; i < N; ++i) acc[i] = _mm512_fmadd_ps(t[i], S, acc[i]);
 }
 
@@ -257,8 +272,10 @@ HR_AVX512BF16 inline void fused_group(const Consts& k, const uint8_t* c, const u
   __m512i v[W / 8];
   __m512 S;
   group_words<W>(k, c, s, valid, v, S);
-  fused_half<M, N, W, 0>(k, v, S, x, ldx, acc, std::make_integer_sequence<int, W / 4>{});
-  fused_half<M, N, W, 1>(k, v, S, x, ldx, acc, std::make_integer_sequence<int, W / 4>{});
+  const typename M::X* rows[N];
+  for (int i = 0; i < N; ++i) rows[i] = x + i * ldx;
+  fused_half<M, N, W, 0>(k, v, S, rows, acc, std::make_integer_sequence<int, W / 4>{});
+  fused_half<M, N, W, 1>(k, v, S, rows, acc, std::make_integer_sequence<int, W / 4>{});
 }
 
 // y[i * out] for one weight row (codes c, scales s) and N rows of x.
