@@ -219,7 +219,9 @@ void permute_x(const X* x, int64_t n, const Groups& L, X* xp, bool split_words) 
       map16[v * 32 + q] = elem(16, v, p);
       if (v < 4) map8[v * 32 + q] = elem(8, v, p);
     }
-  at::parallel_for(0, n, std::max<int64_t>(1, 4096 / std::max<int64_t>(L.kp, 1)), [&](int64_t i0, int64_t i1) {
+  // a decode's few rows are not worth waking the other threads for (the kernel does that next)
+  const int64_t grain = n * L.kp < (1 << 16) ? n : std::max<int64_t>(1, 4096 / std::max<int64_t>(L.kp, 1));
+  at::parallel_for(0, n, grain, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const X* xr = x + i * L.in;
       X* pr = xp + i * L.kp;
