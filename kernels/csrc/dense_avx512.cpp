@@ -21,7 +21,7 @@ namespace {
 constexpr int64_t kBlockedAbove = 16 << 10;  // bytes of x: half of L1
 
 // Blocks for many rows of x: 64 weight rows (kept in L2) against chunks of x rows that fit half
-// of L1, four weight rows by three x rows at a time.
+// of L1, four weight rows by four x rows at a time (dot_block_phased).
 constexpr int64_t kWeightChunk = 64;
 
 template <typename W>
@@ -35,7 +35,7 @@ void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const type
   const int64_t x_row = in * static_cast<int64_t>(sizeof(typename T::X));
   const int64_t grain = grain_rows(in * static_cast<int64_t>(sizeof(typename T::W)));
   const bool blocked = n > 1 && n * x_row > kBlockedAbove;
-  const int64_t x_chunk = std::max<int64_t>(3, (128 << 10) / x_row / 3 * 3);
+  const int64_t x_chunk = std::max<int64_t>(4, (512 << 10) / x_row / 4 * 4);
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
     if (!blocked) {
       for (int64_t r = r0; r < r1; ++r) rows_times_x<T, 1, 4>(w + r * in, in, x, in, n, in, r, nullptr, y, out);
@@ -52,7 +52,7 @@ void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const type
           if (i0 == 0)  // bring the next chunk's rows into cache while this one computes
             prefetch_rows(w + (r + kWeightChunk) * in, std::min<int64_t>(4, std::max<int64_t>(0, r1 - r - kWeightChunk)),
                           in * static_cast<int64_t>(sizeof(typename T::W)));
-          rows_times_x<T, 4, 3>(w + r * in, in, xs, in, m, in, r, nullptr, ys, out);
+          four_rows_times_x<T>(w + r * in, in, xs, in, m, in, r, ys, out);
         }
         for (; r < c1; ++r) rows_times_x<T, 1, 4>(w + r * in, in, xs, in, m, in, r, nullptr, ys, out);
       }
