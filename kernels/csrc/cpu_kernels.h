@@ -25,8 +25,8 @@ constexpr float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                              -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 constexpr int64_t kGroup = 16;
 
-// The instruction sets a kernel can be built from, best last. Feature bits (cpu_features) are
-// 1 << Isa, except that bit 0 was AVX-512 before AVX2 existed here; see kFeature below.
+// The instruction sets a kernel can be built from, best last, and their cpu_features() bits
+// (kernels/cpu_isa.py has the same numbers).
 enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
 constexpr int kFeatureAvx512 = 1, kFeatureAvx512Bf16 = 2, kFeatureAmx = 4, kFeatureAvx2 = 8;
 
@@ -44,9 +44,6 @@ bool has_amx();
 
 // fp8 e4m3 byte -> float, a 256-entry table (NaN encodings are never block scales).
 const float* fp8_table();
-// E2M1 code c times fp8 byte s as bf16 bits, [s * 16 + c]: exact (at most 6 significant bits),
-// 64-byte aligned. Row s is the decoding table of a block whose scale is s.
-const uint16_t* scaled_e2m1_bf16();
 
 // Scratch memory on 64-byte boundaries (std::vector does not promise that for vector types here).
 template <typename T>
@@ -100,8 +97,9 @@ void nvfp4_linear_avx2(const float* x, int64_t n, int64_t in, const uint8_t* cod
 void dense_linear_avx2(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y);
 void dense_linear_avx2(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y);
 
-// nvfp4_avx512.cpp: E2M1 decoded through the scaled_e2m1_bf16 tables (vpermt2w), then
-// vdpbf16ps on bf16 x (AVX512-BF16) or FMA on float32 x (AVX-512F, weights widened exactly).
+// nvfp4_avx512.cpp: E2M1 decoded by a vpermw table (unscaled, one block per lane), then
+// vdpbf16ps on bf16 x (AVX512-BF16) or FMA on float32 x (AVX-512F, weights widened exactly),
+// block scales after the dot products.
 void nvfp4_linear_avx512(const float* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
                          const float* row_scale, int64_t out, float* y);
 void nvfp4_linear_avx512_bf16(const uint16_t* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,

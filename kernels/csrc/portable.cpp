@@ -1,4 +1,4 @@
-// Portable loops (any CPU), the run-time CPU feature checks, and the decoding tables.
+// Portable loops (any CPU), the run-time CPU feature checks, and the fp8 table.
 #include <atomic>
 
 #include "cpu_kernels.h"
@@ -24,25 +24,6 @@ const float* fp8_table() {
     return t;
   }();
   return table.data();
-}
-
-const uint16_t* scaled_e2m1_bf16() {
-  struct alignas(64) Table {
-    uint16_t v[256 * 16];
-  };
-  static const Table* table = [] {
-    auto* t = new Table;
-    const float* fp8 = fp8_table();
-    for (int s = 0; s < 256; ++s)
-      for (int c = 0; c < 16; ++c) {
-        const float f = kE2M1[c] * fp8[s];  // exact: at most 6 significant bits (NaN stays NaN)
-        uint32_t bits;
-        std::memcpy(&bits, &f, 4);
-        t->v[s * 16 + c] = static_cast<uint16_t>(bits >> 16);
-      }
-    return t;
-  }();
-  return table->v;
 }
 
 // Each (weight row, x row) sums its products from input 0 upwards, one at a time.
