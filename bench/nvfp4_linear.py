@@ -1,6 +1,7 @@
-"""Decode-shaped linear layers: NVFP4 vs bf16 vs fp32 at the real models' shapes, side by side.
+"""Linear layers at the real models' shapes: NVFP4 vs bf16 vs fp32, decode-shaped and prefill-sized.
 
-    python bench/nvfp4_linear.py [--batch 1 8] [--json] [--seconds 0.5] [--working-set-mb 1024]
+    python bench/nvfp4_linear.py [--batch 1 8] [--prefill 128 512] [--json] [--seconds 0.5]
+                                 [--working-set-mb 1024] [--threads N] [--cpu-time]
 
 For each layer shape and batch size (1 = decode, 8 = verifying a draft) it times y = x @ W.T:
   nvfp4        runtime NVFP4Weight (packed codes + fp8 scales; compiled kernel when available)
@@ -12,8 +13,19 @@ caches (default 1 GiB), as in a real decode step, so the figures are memory-syst
 the best pass over all copies within --seconds is reported (other load only slows passes down).
 Activations are bf16 (fp32 for the fp32 format).
 GB/s counts the bytes each format must read. The summary adds up one decode step of
-Qwen2.5-Coder-0.5B (24 layers + lm_head) per format. Figures vary with machine load; rerun
-on a quiet machine for reference numbers.
+Qwen2.5-Coder-0.5B (24 layers + lm_head) per format.
+
+Prefill (--prefill, default 128 and 512 rows; 0 to skip): the compiled kernels, which take every
+row count, against what prefill ran on before they did, for bf16 and float32 activations:
+  nvfp4        the compiled NVFP4 kernel
+  nvfp4 tiles  W dequantised 4 MiB at a time by the compiled kernel (float32), times torch's
+               float32 GEMM
+  dense        the compiled dense kernel (bf16 weights for bf16 x, float32 weights for float32 x)
+  dense torch  torch.nn.functional.linear on the same weights
+one weight per shape (a prefill product is compute-bound), best of --seconds, with the ratio
+kernel / torch (below 1: the kernel is faster). Figures vary with machine load; rerun on a
+quiet machine for reference numbers, or time CPU time with `--threads 1 --cpu-time` where
+other jobs share the machine.
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ QWEN3_235B_TP2 = [  # one rank's slice at TP=2
     ("qwen3-235b tp2", "expert down", 4096, 1536 // 2, 94 * 8),
 ]
 FORMATS = ("nvfp4", "bf16", "bf16 torch", "fp32 torch")
+CLOCK = [time.perf_counter]  # or time.process_time (--cpu-time)
 
 
 @dataclass
@@ -99,12 +112,13 @@ def measure(fmt: str, out_f: int, in_f: int, batch: int, seconds: float, working
     for fn in fns[: min(len(fns), 4)]:
         fn(x)
     # Best pass over all copies: other processes on a shared machine only ever slow a pass down.
-    best, start = float("inf"), time.perf_counter()
-    while time.perf_counter() - start < seconds or best == float("inf"):
-        t0 = time.perf_counter()
+    clock = CLOCK[0]
+    best, start = float("inf"), clock()
+    while clock() - start < seconds or best == float("inf"):
+        t0 = clock()
         for fn in fns:
             fn(x)
-        best = min(best, (time.perf_counter() - t0) / len(fns))
+        best = min(best, (clock() - t0) / len(fns))
     return best, nbytes
 
 
@@ -163,33 +177,120 @@ def print_tables(console: Console, results: list[Result], batches) -> None:
     console.print(summary)
 
 
+PREFILL_FORMATS = ("nvfp4", "nvfp4 tiles", "dense", "dense torch")
+TILE_ELEMENTS = 1 << 20  # the tiles of the path prefill took before the kernels took every row count
+
+
+@dataclass
+class PrefillResult:
+    model: str
+    layer: str
+    out_features: int
+    in_features: int
+    rows: int
+    x_dtype: str
+    ms: dict
+
+
+def _prefill_callables(w: torch.Tensor, x_dtype: torch.dtype) -> dict:
+    lib = cpu_ext.ops()
+    lin = NVFP4Weight.quantize(w, activation="w4a16")
+    scales = lin.block_scale.view(torch.uint8)
+    tile_rows = max(1, TILE_ELEMENTS // w.shape[1])
+
+    def tiles(x):
+        xf = x.float()
+        y = torch.empty(x.shape[0], w.shape[0])
+        for start in range(0, w.shape[0], tile_rows):
+            stop = min(start + tile_rows, w.shape[0])
+            y[:, start:stop] = xf @ lib.nvfp4_dequant(lin.codes[start:stop], scales[start:stop],
+                                                      lin.row_scale[start:stop]).T
+        return y.to(x.dtype)
+
+    dense = DenseWeight(w.to(x_dtype))
+    wt = dense.weight
+    return {"nvfp4": lin.matmul, "nvfp4 tiles": tiles, "dense": dense.matmul,
+            "dense torch": lambda x: torch.nn.functional.linear(x, wt)}
+
+
+def run_prefill(shapes, rows_list, seconds: float) -> list[PrefillResult]:
+    results = []
+    for model, layer, out_f, in_f, _ in shapes:
+        if layer == "lm_head":  # a prefill needs the logits of its last row only
+            continue
+        w = torch.randn(out_f, in_f) * 0.02
+        for x_dtype in (torch.bfloat16, torch.float32):
+            fns = _prefill_callables(w, x_dtype)
+            for rows in rows_list:
+                x = torch.randn(rows, in_f).to(x_dtype)
+                best = {}
+                for _ in range(2):  # round robin, so load changes touch every format alike
+                    for name in PREFILL_FORMATS:
+                        fns[name](x)
+                        clock = CLOCK[0]
+                        start = clock()
+                        while True:
+                            t0 = clock()
+                            fns[name](x)
+                            best[name] = min(best.get(name, float("inf")), clock() - t0)
+                            if clock() - start > seconds / 2:
+                                break
+                results.append(PrefillResult(model, layer, out_f, in_f, rows, str(x_dtype).removeprefix("torch."),
+                                             {k: v * 1e3 for k, v in best.items()}))
+    return results
+
+
+def print_prefill(console: Console, results: list[PrefillResult]) -> None:
+    table = Table(title="prefill: ms per product, compiled kernel vs the path before it (ratio < 1: kernel faster)")
+    for col in ("model / layer", "[out, in]", "rows", "x", *PREFILL_FORMATS, "nvfp4 / tiles", "dense / torch"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(f"{r.model} {r.layer}", f"[{r.out_features}, {r.in_features}]", str(r.rows), r.x_dtype,
+                      *(f"{r.ms[f]:.2f}" for f in PREFILL_FORMATS), f"{r.ms['nvfp4'] / r.ms['nvfp4 tiles']:.2f}",
+                      f"{r.ms['dense'] / r.ms['dense torch']:.2f}")
+    console.print(table)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prefill", type=int, nargs="+", default=[128, 512],
+                        help="prefill row counts to compare with the path before the kernels (0: skip)")
     parser.add_argument("--seconds", type=float, default=0.5, help="timing per measurement (default 0.5)")
     parser.add_argument("--working-set-mb", type=int, default=1024, help="bytes cycled through (default 1024)")
     parser.add_argument("--models", nargs="+", default=["qwen2.5-0.5b", "qwen3-235b"],
                         choices=["qwen2.5-0.5b", "qwen3-235b"])
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--cpu-time", action="store_true", help="time CPU time, not wall time (with --threads 1)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.cpu_time:
+        if torch.get_num_threads() != 1:
+            parser.error("--cpu-time needs --threads 1 (other threads' waiting would count)")
+        CLOCK[0] = time.process_time
     shapes = (QWEN25_05B if "qwen2.5-0.5b" in args.models else []) + (
         QWEN3_235B_TP2 if "qwen3-235b" in args.models else [])
     lib = cpu_ext.ops()  # build before timing
     env = {"threads": torch.get_num_threads(), "compiled_kernels": lib is not None,
            "cpu_features": cpu_ext.features(), "torch": torch.__version__}
     results = run(shapes, args.batch, args.seconds, args.working_set_mb << 20)
+    prefill_rows = [r for r in args.prefill if r > 0]
+    prefill = run_prefill(shapes, prefill_rows, args.seconds) if prefill_rows and lib is not None else []
     if args.json:
         models = sorted({r.model for r in results})
         steps = {m: {b: decode_step(results, m, b) for b in args.batch} for m in models}
-        print(json.dumps({"env": env, "results": [asdict(r) for r in results], "decode_step_ms": steps}))
+        print(json.dumps({"env": env, "results": [asdict(r) for r in results], "decode_step_ms": steps,
+                          "prefill": [asdict(r) for r in prefill]}))
     else:
         console = Console(width=max(Console().width, 170))
         console.print(f"threads {env['threads']}, compiled kernels {'yes' if lib is not None else 'NO'} "
-                      f"(features {env['cpu_features']}), torch {env['torch']}")
+                      f"({cpu_ext.describe()}), torch {env['torch']}, "
+                      f"{'CPU' if CLOCK[0] is time.process_time else 'wall'} time")
         print_tables(console, results, args.batch)
+        if prefill:
+            print_prefill(console, prefill)
     return 0
 
 

@@ -1,16 +1,18 @@
 """The compiled CPU kernels (`csrc/*.cpp`): built on first use, cached, never required.
 
 `ops()` returns `torch.ops.hetero_run` with `nvfp4_linear`, `nvfp4_dequant`, `dense_linear`,
-`decode_attention`, `paged_attention`, `rms_norm` and `cpu_features`, or None when the library cannot be built or
-loaded here (no compiler, no headers, unusual platform): callers then use the plain-PyTorch
-paths, after one warning.
+`decode_attention`, `paged_attention`, `rms_norm`, the drafter's
+`draft_step` ops and the `cpu_features` family, or None when the library cannot
+be built or loaded here (no compiler, no headers, unusual platform): callers then use the
+plain-PyTorch paths, after one warning. Before it is returned, the instruction sets its
+kernels may use are settled (cpu_isa.py: CPUID, then a self-test in a child process).
 
 The build takes a few seconds with gcc and is cached under
 `$XDG_CACHE_HOME/hetero-run/torch-extensions/` (default `~/.cache`), one folder per torch
-version and per hash of the sources and flags: checkouts with different sources on one machine
-never overwrite each other's library. A library built from the same sources and flags (the
-hash kept beside it) loads directly; otherwise torch's extension builder builds it. Set
-`HETERO_RUN_CPU_KERNELS=0` to skip it.
+version and per hash of the sources and flags, so checkouts with different sources on one
+machine never overwrite each other's library. A library built from the same sources and flags
+(the hash kept beside it) loads directly; otherwise torch's extension builder builds it.
+Set `HETERO_RUN_CPU_KERNELS=0` to skip it.
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ from pathlib import Path
 
 import torch
 
+from hetero_run.kernels.cpu_isa import CHILD_ENV, FEATURE_AMX, FEATURE_AVX2, FEATURE_AVX512, FEATURE_AVX512_BF16
+
+__all__ = ["FEATURE_AMX", "FEATURE_AVX2", "FEATURE_AVX512", "FEATURE_AVX512_BF16", "cache_dir", "enabled", "features",
+           "ops", "supported_features"]
+
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / f"{name}.cpp" for name in ("cpu_linear", "nvfp4_avx512", "dense_avx512", "amx", "portable",
+SOURCES = [CSRC / f"{name}.cpp" for name in ("cpu_linear", "nvfp4_avx512", "dense_avx512", "avx2", "amx", "portable",
                                               "decode_ops", "drafter_step")]
 NAME = "hetero_run_cpu_linear"
 OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []  # the libgomp torch itself uses
-FEATURE_AVX512 = 1
-FEATURE_AVX512_BF16 = 2
-FEATURE_AMX = 4  # AMX-BF16 tiles, usable by this process
 
 log = logging.getLogger("hetero_run.kernels.cpu_ext")
 _lock = threading.Lock()
@@ -61,9 +65,26 @@ def ops():
 
 
 def features() -> int:
-    """Bit flags from the library (FEATURE_AVX512, FEATURE_AVX512_BF16, FEATURE_AMX); 0 without it."""
+    """The instruction sets the kernels may use here (FEATURE_* bits: supported by the CPU, passed
+    the self-test, within HETERO_RUN_CPU_ISA); 0 without the library."""
     lib = ops()
     return int(lib.cpu_features()) if lib is not None else 0
+
+
+def supported_features() -> int:
+    """What CPUID and the OS offer (FEATURE_* bits), tested or not; 0 without the library."""
+    lib = ops()
+    return int(lib.cpu_supported_features()) if lib is not None else 0
+
+
+def describe() -> str:
+    """One line for logs and `hetero-run doctor`: which kernels run bf16 and float32 activations."""
+    from hetero_run.kernels import cpu_isa
+
+    lib = ops()
+    if lib is None:
+        return "compiled CPU kernels unavailable: PyTorch paths"
+    return cpu_isa.summary(int(lib.cpu_supported_features()), int(lib.cpu_features()))
 
 
 def _reason(exc: Exception) -> str:
@@ -102,11 +123,15 @@ def _load():
             fresh.write_text(key)
             os.replace(fresh, stamp)  # ranks building at once write the same key
         lib = torch.ops.hetero_run
-        log.debug("CPU kernels loaded from %s (features %d)", build, int(lib.cpu_features()))
-        return lib
+        log.debug("CPU kernels loaded from %s (supported features %d)", build, int(lib.cpu_supported_features()))
     except Exception as exc:  # any build or load failure means: use the PyTorch paths
         log.warning("compiled CPU kernels unavailable (%s); using the slower PyTorch paths", _reason(exc))
         return None
+    if os.environ.get(CHILD_ENV) != "child":  # the self-test's child runs what it is told
+        from hetero_run.kernels import cpu_isa
+
+        lib.set_cpu_features(cpu_isa.verify(lib))
+    return lib
 
 
 def _build(build: Path) -> None:

@@ -1,11 +1,11 @@
 """x @ W.T for an NVFP4 weight that stays packed: the fast path for the device at hand.
 
-CPU, up to VERIFY_MAX_ROWS rows of x (decode, speculative verify), and any number of rows on a
-CPU with AMX: the compiled kernel. With bf16 activations on a CPU with AMX it multiplies on AMX
-tiles (W dequantised exactly to bf16 16 rows at a time, fp32 accumulation), otherwise it looks
-E2M1 values up in a register table and streams the codes once. Its path never depends on the
-number of rows, so these forwards are batch-invariant (see batch_invariance.py).
-CPU, more rows otherwise (prefill): tiles of W dequantised by the compiled kernel, multiplied by torch.
+CPU with the compiled library: `csrc/cpu_linear.cpp` for any number of rows of x (decode,
+speculative verify, batches, prefill). It decodes E2M1 with a permute table into exact bf16
+weights and multiplies them with AVX512-BF16 dot products or AMX tiles (bf16 activations), or
+FMA on exact float32 weights (float32 activations, or CPUs without those); fp32 sums, the
+per-row global scale last. Its path never depends on the number of rows and every row sums in
+one fixed order, so forwards of any size are row-invariant (batch_invariance.py).
 CPU without the compiled library: `nvfp4.linear_reference` (tiled, plain PyTorch; one row at a
 time up to VERIFY_MAX_ROWS rows).
 CUDA: `nvfp4_gpu` (FP4 tensor cores for W4A4 on Blackwell, weight-only elsewhere).
@@ -19,7 +19,8 @@ import torch
 from hetero_run.kernels import cpu_ext, nvfp4, nvfp4_gpu
 from hetero_run.kernels.batch_invariance import invariant, per_row
 
-# Elements of W dequantised at once on the prefill path (4 MiB of float32: stays in L2/L3).
+# An upper bound on the weight scratch (elements) one product holds at a time: the compiled
+# kernel's per-thread tiles, or a tile of the PyTorch fallback (runtime/planner counts it).
 TILE_ELEMENTS = 1 << 20
 
 
@@ -47,19 +48,7 @@ def nvfp4_linear(
     if lib is None:
         reference = (lambda rows: nvfp4.linear_reference(rows, codes, block_scale, row_scale))  # noqa: E731
         return (per_row(reference, xk) if invariant(x.shape[0]) else reference(xk)).to(x.dtype)
-    scales = block_scale.view(torch.uint8)
-    amx = xk.dtype == torch.bfloat16 and cpu_ext.features() & cpu_ext.FEATURE_AMX and xk.shape[1] % 32 == 0
-    if invariant(x.shape[0]) or amx:
-        return lib.nvfp4_linear(xk.contiguous(), codes, scales, row_scale).to(x.dtype)
-    xf = xk.float()
-    out_features = codes.shape[0]
-    tile_rows = max(1, TILE_ELEMENTS // (codes.shape[1] * 2))
-    y = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    for start in range(0, out_features, tile_rows):
-        stop = min(start + tile_rows, out_features)
-        tile = lib.nvfp4_dequant(codes[start:stop], scales[start:stop], row_scale[start:stop])  # [rows, in]
-        y[:, start:stop] = xf @ tile.T
-    return y.to(x.dtype)
+    return lib.nvfp4_linear(xk.contiguous(), codes, block_scale.view(torch.uint8), row_scale).to(x.dtype)
 
 
 def nvfp4_dequantize(codes: torch.Tensor, block_scale: torch.Tensor, row_scale: torch.Tensor,

@@ -1,8 +1,9 @@
 """Check every rank and measure the link between them.
 
 Run it as `mpirun -np 2 --hostfile HOSTS hetero-run doctor`. Rank 0 prints one row per rank
-(host, pid, torch / CUDA / NCCL versions, backend, device, memory) and, with two or more
-ranks, the figures that matter for tensor-parallel decoding over the link:
+(host, pid, torch / CUDA / NCCL versions, backend, device, memory), which compiled CPU kernels
+run there (the instruction sets that passed their self-test, kernels/cpu_isa.py) and, with two
+or more ranks, the figures that matter for tensor-parallel decoding over the link:
 
   latency    broadcast and all-reduce of 8 KiB: each decode step of a TP=2 model does two
              small all-reduces per layer, so this bounds tokens per second;
@@ -66,6 +67,8 @@ def _rank_info(dist) -> dict:
     import psutil
     import torch
 
+    from hetero_run.kernels import cpu_ext
+
     vm = psutil.virtual_memory()
     info = {
         "rank": dist.rank,
@@ -83,6 +86,7 @@ def _rank_info(dist) -> dict:
         "mem_available_bytes": vm.available,
         "device_mem_total_bytes": None,
         "device_mem_free_bytes": None,
+        "cpu_kernels": cpu_ext.describe(),
     }
     if torch.cuda.is_available():
         info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
@@ -186,6 +190,8 @@ def _print_report(con, report: dict) -> None:
             f"{_gib(r['device_mem_free_bytes'])}/{_gib(r['device_mem_total_bytes'])}",
         )
     con.print(table)
+    for r in report["ranks"]:
+        con.print(f"rank {r['rank']} CPU kernels: {r['cpu_kernels']}")
     link = report["link"]
     if link is None:
         con.print("single rank: no link to measure (launch with mpirun -np 2 to measure it)")

@@ -11,6 +11,7 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define HR_X86 1
+#define HR_AVX2 __attribute__((target("avx2,fma")))
 #define HR_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define HR_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define HR_AMX __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,amx-tile,amx-bf16")))
@@ -23,10 +24,42 @@ namespace hetero_run_cpu {
 constexpr float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f,
                              -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 constexpr int64_t kGroup = 16;
-constexpr int kMaxBatch = 8;  // x rows kept in registers at once
+
+// The instruction sets a kernel can be built from, best last, and their cpu_features() bits
+// (kernels/cpu_isa.py has the same numbers).
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3, kAmx = 4 };
+constexpr int kFeatureAvx512 = 1, kFeatureAvx512Bf16 = 2, kFeatureAmx = 4, kFeatureAvx2 = 8;
+
+// What the CPU and OS offer (CPUID, XCR0, the Linux tile-data permission), and what the caller
+// allows after its self-tests (set_allowed_features); auto paths use only allowed ones.
+int supported_features();
+int allowed_features();
+void set_allowed_features(int mask);
+inline bool supported(int feature) { return (supported_features() & feature) != 0; }
+inline bool allowed(int feature) { return (allowed_features() & feature) != 0; }
+// Allowed (for the decode_ops kernels, which predate the per-path choice).
+bool has_avx512();
+bool has_avx512_bf16();
+bool has_amx();
 
 // fp8 e4m3 byte -> float, a 256-entry table (NaN encodings are never block scales).
 const float* fp8_table();
+
+// Scratch memory on 64-byte boundaries (std::vector does not promise that for vector types here).
+template <typename T>
+class Aligned {
+ public:
+  explicit Aligned(size_t count) : raw_((count * sizeof(T) + 127) / 64) {
+    const auto p = reinterpret_cast<uintptr_t>(raw_.data());
+    data_ = reinterpret_cast<T*>((p + 63) & ~static_cast<uintptr_t>(63));
+  }
+  T* data() { return data_; }
+
+ private:
+  struct alignas(8) Line { unsigned char b[64]; };
+  std::vector<Line> raw_;
+  T* data_;
+};
 
 inline float bf16_to_float(uint16_t h) {
   uint32_t bits = static_cast<uint32_t>(h) << 16;
@@ -41,32 +74,44 @@ inline int64_t grain_rows(int64_t row_bytes) {
   return std::max<int64_t>(1, (64 << 10) / std::max<int64_t>(row_bytes, 1));
 }
 
-// What this CPU (and OS) lets us use; false everywhere off x86.
-bool has_avx512();
-bool has_avx512_bf16();
-bool has_amx();
+// Rows of x per pass over the weights: a pass keeps its rows of x in L2 (about 256 KiB), so a
+// prefill chunk streams the weights a few times instead of streaming x from L3 per weight row.
+inline int64_t x_rows_per_pass(int64_t row_bytes) {
+  return std::max<int64_t>(16, (256 << 10) / std::max<int64_t>(row_bytes, 1));
+}
+
+// Every kernel below computes y[i, r] = sum_k x[i, k] W[r, k] (times row_scale[r] for NVFP4)
+// in one order per (r, i) that does not depend on n or on the other rows: each row of y is
+// bit-identical to the same row computed alone, for any number of rows (batch_invariance.py).
+// x and y are row-major [n, in] and [n, out]; uint16_t is bf16 bits.
 
 // portable.cpp: plain loops, any CPU.
-void nvfp4_rows_generic(const float* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
-                        const float* row_scale, int64_t r0, int64_t r1, float* y, int64_t out);
-void dense_rows_generic(const float* x, int64_t n, int64_t in, const float* w, int64_t r0, int64_t r1, float* y,
-                        int64_t out);
-void dense_rows_generic(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t r0, int64_t r1, float* y,
-                        int64_t out);
-void dense_rows_generic(const uint16_t* x, int64_t n, int64_t in, const uint16_t* w, int64_t r0, int64_t r1,
-                        float* y, int64_t out);
+void nvfp4_linear_portable(const float* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
+                           const float* row_scale, int64_t out, float* y);
+void dense_linear_portable(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y);
+void dense_linear_portable(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y);
 
-// nvfp4_avx512.cpp
+// avx2.cpp: 256-bit FMA on float32 x (bf16 weights widened exactly).
+void nvfp4_linear_avx2(const float* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
+                       const float* row_scale, int64_t out, float* y);
+void dense_linear_avx2(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y);
+void dense_linear_avx2(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y);
+
+// nvfp4_avx512.cpp: E2M1 decoded by a vpermw table (unscaled, one block per lane), then
+// vdpbf16ps on bf16 x (AVX512-BF16) or FMA on float32 x (AVX-512F, weights widened exactly),
+// block scales after the dot products.
 void nvfp4_linear_avx512(const float* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
                          const float* row_scale, int64_t out, float* y);
+void nvfp4_linear_avx512_bf16(const uint16_t* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
+                              const float* row_scale, int64_t out, float* y);
 void nvfp4_dequant_rows_avx512(const uint8_t* codes, const uint8_t* scales, const float* row_scale, int64_t in,
                                int64_t r0, int64_t r1, float* w);
 void row_scales(const uint8_t* s, int64_t nblocks, float* out);  // fp8 block scales -> float
 
-// dense_avx512.cpp (uint16_t = bf16 bits)
+// dense_avx512.cpp
 void dense_linear_avx512(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y);
 void dense_linear_avx512(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y);
-void dense_linear_avx512(const uint16_t* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y);
+void dense_linear_avx512_bf16(const uint16_t* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y);
 
 // amx.cpp (bf16 x)
 void nvfp4_linear_amx(const uint16_t* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,

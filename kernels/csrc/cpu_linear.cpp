@@ -1,4 +1,4 @@
-// Decode-shaped linear layers on the CPU: y[n, out] = x[n, in] @ W[out, in].T for small n.
+// Linear layers on the CPU: y[n, out] = x[n, in] @ W[out, in].T for any n.
 //
 // Ops (namespace hetero_run, loaded by kernels/cpu_ext.py; references in kernels/nvfp4.py and
 // kernels/dense_linear.py):
@@ -6,14 +6,21 @@
 //                row_scale f32 [out], path=0) -> f32 [n, out]
 //   nvfp4_dequant(codes, block_scale, row_scale) -> f32 [out, in]   (bit-exact with the reference)
 //   dense_linear(x f32|bf16 [n, in], w f32|bf16 [out, in], path=0) -> f32 [n, out]
-//   cpu_features() -> int   (bit 0: AVX-512 kernels, bit 1: AVX-512 BF16 dot products, bit 2: AMX)
-// path 0 picks the best kernel; 1 forces the vector kernels, 2 the AMX ones (tests use both).
+//   cpu_features() -> int            the kernels path 0 may use (kFeature* bits, cpu_kernels.h)
+//   cpu_supported_features() -> int  what CPUID and the OS offer
+//   set_cpu_features(int mask)       restrict path 0 to these (after the caller's self-tests)
+// path: 0 = the best allowed kernel, 1 = the best allowed without AMX, 2 = AMX, 3 = AVX512-BF16,
+// 4 = AVX-512 (float32 FMA), 5 = AVX2 (float32 FMA), 6 = portable loops. A forced path (2-6)
+// runs whenever the CPU supports it (tests and self-tests force each one) and is an error
+// otherwise; x is widened to float32 (exactly) for the float32 paths.
 //
-// Decode reads every weight once per token, so these kernels aim at memory bandwidth: weights
-// stream through once, x stays in L1/L2, and each thread owns a range of output rows.
-// The AVX-512 and AMX paths are compiled with per-function target attributes and chosen at run
-// time, so the library builds and runs (portable loops) on any CPU. Files: this one (the ops and
-// the choice of kernel), nvfp4_avx512.cpp, dense_avx512.cpp, amx.cpp, portable.cpp.
+// The choice never depends on the number of rows of x, and every kernel computes each row of y
+// in one fixed order whatever the other rows are, so row i of f(x) equals f(x[i:i+1]) bit for
+// bit at any n: a speculative verify, or a batch of many requests' rows, gives each row the bits
+// it gets alone. Weights stream through once per pass of x rows; each thread owns a range of
+// output rows. The kernels are compiled with per-function target attributes, so the library
+// builds and runs (portable loops) on any CPU. Files: this one (the ops and the choice of
+// kernel), nvfp4_avx512.cpp, dense_avx512.cpp (+ rows_avx512.h), avx2.cpp, amx.cpp, portable.cpp.
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -30,18 +37,46 @@ void check_2d(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
 
-// path: 0 = best available, 1 = vector kernels (AVX-512 or portable), 2 = AMX (bf16 x only).
-constexpr int64_t kPathAuto = 0, kPathVector = 1, kPathAmx = 2;
+constexpr int64_t kPathAuto = 0, kPathVector = 1, kPathAmx = 2, kPathAvx512Bf16 = 3, kPathAvx512 = 4,
+                  kPathAvx2 = 5, kPathPortable = 6;
 
-// The choice never depends on the number of rows of x: each kernel computes every row of y in
-// one fixed order whatever the other rows are, so row i of f(x) equals f(x[i:i+1]) bit for bit
-// (a speculative verify forward of k + 1 tokens must match k + 1 one-token decode forwards).
-// AMX costs about as much for 16 rows as for one, which is what makes verifying cheap.
-bool use_amx(const at::Tensor& x, int64_t in, int64_t path) {
-  const bool able = x.scalar_type() == at::kBFloat16 && in % 32 == 0 && has_amx();
-  TORCH_CHECK(path != kPathAmx || able, "the AMX path needs bfloat16 x, in_features a multiple of 32 and a CPU "
-              "with AMX");
-  return path == kPathAmx || (path == kPathAuto && able);
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case kAmx: return "AMX";
+    case kAvx512Bf16: return "AVX512-BF16";
+    case kAvx512: return "AVX-512";
+    case kAvx2: return "AVX2";
+    default: return "portable";
+  }
+}
+
+int feature_of(Isa isa) {
+  switch (isa) {
+    case kAmx: return kFeatureAmx;
+    case kAvx512Bf16: return kFeatureAvx512Bf16;
+    case kAvx512: return kFeatureAvx512;
+    case kAvx2: return kFeatureAvx2;
+    default: return 0;
+  }
+}
+
+// bf16_ok: the bf16 paths apply (bf16 x, and bf16 w for dense); amx_ok: and the AMX tiles fit
+// (in_features a multiple of 32).
+Isa choose(int64_t path, bool bf16_ok, bool amx_ok) {
+  TORCH_CHECK(path >= kPathAuto && path <= kPathPortable, "path must be 0..6, got ", path);
+  const Isa forced[] = {kPortable, kPortable, kAmx, kAvx512Bf16, kAvx512, kAvx2, kPortable};
+  if (path >= kPathAmx) {
+    const Isa isa = forced[path];
+    TORCH_CHECK(isa != kAmx || amx_ok, "the AMX path needs bfloat16 x (and weights), in_features a multiple of 32");
+    TORCH_CHECK(isa != kAvx512Bf16 || bf16_ok, "the AVX512-BF16 path needs bfloat16 x (and weights)");
+    TORCH_CHECK(isa == kPortable || supported(feature_of(isa)), "this CPU cannot run the ", isa_name(isa), " kernels");
+    return isa;
+  }
+  if (path == kPathAuto && amx_ok && allowed(kFeatureAmx)) return kAmx;
+  if (bf16_ok && allowed(kFeatureAvx512Bf16)) return kAvx512Bf16;
+  if (allowed(kFeatureAvx512)) return kAvx512;
+  if (allowed(kFeatureAvx2)) return kAvx2;
+  return kPortable;
 }
 
 at::Tensor nvfp4_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
@@ -58,27 +93,36 @@ at::Tensor nvfp4_linear(const at::Tensor& x_in, const at::Tensor& codes, const a
   TORCH_CHECK(scales.size(0) == out && scales.size(1) * kGroup == in, "block_scale shape does not match codes");
   TORCH_CHECK(row_scale.numel() == out, "row_scale needs ", out, " values");
   at::Tensor y = at::empty({n, out}, x_in.options().dtype(at::kFloat));
+  if (n == 0 || out == 0) return y;
   const uint8_t* cd = codes.data_ptr<uint8_t>();
   const uint8_t* sd = scales.data_ptr<uint8_t>();
   const float* rs = row_scale.data_ptr<float>();
   float* yd = y.data_ptr<float>();
+  const bool bf16 = x_in.scalar_type() == at::kBFloat16;
+  const Isa isa = choose(path, bf16, bf16 && in % 32 == 0);
 #if HR_X86
-  if (use_amx(x_in, in, path)) {
+  if (isa == kAmx) {
     nvfp4_linear_amx(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, cd, sd, rs, out, yd);
     return y;
   }
-#endif
-  const at::Tensor x = x_in.scalar_type() == at::kFloat ? x_in : x_in.to(at::kFloat);
-  const float* xd = x.data_ptr<float>();
-#if HR_X86
-  if (has_avx512()) {
-    nvfp4_linear_avx512(xd, n, in, cd, sd, rs, out, yd);
+  if (isa == kAvx512Bf16) {
+    nvfp4_linear_avx512_bf16(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, cd, sd, rs, out, yd);
     return y;
   }
 #endif
-  at::parallel_for(0, out, grain_rows(in / 2), [&](int64_t r0, int64_t r1) {
-    nvfp4_rows_generic(xd, n, in, cd, sd, rs, r0, r1, yd, out);
-  });
+  const at::Tensor x = bf16 ? x_in.to(at::kFloat) : x_in;
+  const float* xd = x.data_ptr<float>();
+#if HR_X86
+  if (isa == kAvx512) {
+    nvfp4_linear_avx512(xd, n, in, cd, sd, rs, out, yd);
+    return y;
+  }
+  if (isa == kAvx2) {
+    nvfp4_linear_avx2(xd, n, in, cd, sd, rs, out, yd);
+    return y;
+  }
+#endif
+  nvfp4_linear_portable(xd, n, in, cd, sd, rs, out, yd);
   return y;
 }
 
@@ -114,51 +158,51 @@ at::Tensor nvfp4_dequant(const at::Tensor& codes, const at::Tensor& scales, cons
   return w;
 }
 
-at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t path) {
-  check_2d(x, "x");
+at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t path) {
+  check_2d(x_in, "x");
   check_2d(w, "w");
-  const auto xt = x.scalar_type(), wt = w.scalar_type();
+  const auto xt = x_in.scalar_type(), wt = w.scalar_type();
   TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16, "x must be float32 or bfloat16");
   TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16, "w must be float32 or bfloat16");
   TORCH_CHECK(!(xt == at::kBFloat16 && wt == at::kFloat), "bfloat16 x with float32 w is not supported");
-  const int64_t n = x.size(0), in = x.size(1), out = w.size(0);
+  const int64_t n = x_in.size(0), in = x_in.size(1), out = w.size(0);
   TORCH_CHECK(w.size(1) == in, "w has ", w.size(1), " inputs, x has ", in);
-  at::Tensor y = at::empty({n, out}, x.options().dtype(at::kFloat));
+  at::Tensor y = at::empty({n, out}, x_in.options().dtype(at::kFloat));
+  if (n == 0 || out == 0) return y;
   float* yd = y.data_ptr<float>();
-  const bool bf16_dot = xt == at::kBFloat16 && has_avx512_bf16();
+  const bool bf16 = xt == at::kBFloat16 && wt == at::kBFloat16;
+  const Isa isa = choose(path, bf16, bf16 && in % 32 == 0);
+  const auto* wb = reinterpret_cast<const uint16_t*>(w.data_ptr());
 #if HR_X86
-  if (wt == at::kBFloat16 && use_amx(x, in, path)) {
-    dense_linear_amx(reinterpret_cast<const uint16_t*>(x.data_ptr()), n, in,
-                     reinterpret_cast<const uint16_t*>(w.data_ptr()), out, yd);
+  if (isa == kAmx) {
+    dense_linear_amx(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, wb, out, yd);
     return y;
   }
-  if (has_avx512() && (xt == at::kFloat || bf16_dot)) {
-    if (xt == at::kBFloat16) {
-      dense_linear_avx512(reinterpret_cast<const uint16_t*>(x.data_ptr()), n, in,
-                          reinterpret_cast<const uint16_t*>(w.data_ptr()), out, yd);
-    } else if (wt == at::kBFloat16) {
-      dense_linear_avx512(x.data_ptr<float>(), n, in, reinterpret_cast<const uint16_t*>(w.data_ptr()), out, yd);
-    } else {
-      dense_linear_avx512(x.data_ptr<float>(), n, in, w.data_ptr<float>(), out, yd);
-    }
+  if (isa == kAvx512Bf16) {
+    dense_linear_avx512_bf16(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, wb, out, yd);
     return y;
   }
 #endif
-  (void)bf16_dot;
-  at::parallel_for(0, out, grain_rows(in * w.element_size()), [&](int64_t r0, int64_t r1) {
-    if (xt == at::kBFloat16)
-      dense_rows_generic(reinterpret_cast<const uint16_t*>(x.data_ptr()), n, in,
-                         reinterpret_cast<const uint16_t*>(w.data_ptr()), r0, r1, yd, out);
-    else if (wt == at::kBFloat16)
-      dense_rows_generic(x.data_ptr<float>(), n, in, reinterpret_cast<const uint16_t*>(w.data_ptr()), r0, r1, yd,
-                         out);
-    else
-      dense_rows_generic(x.data_ptr<float>(), n, in, w.data_ptr<float>(), r0, r1, yd, out);
-  });
+  const at::Tensor x = xt == at::kBFloat16 ? x_in.to(at::kFloat) : x_in;
+  const float* xd = x.data_ptr<float>();
+  const bool wf = wt == at::kFloat;
+#if HR_X86
+  if (isa == kAvx512) {
+    wf ? dense_linear_avx512(xd, n, in, w.data_ptr<float>(), out, yd) : dense_linear_avx512(xd, n, in, wb, out, yd);
+    return y;
+  }
+  if (isa == kAvx2) {
+    wf ? dense_linear_avx2(xd, n, in, w.data_ptr<float>(), out, yd) : dense_linear_avx2(xd, n, in, wb, out, yd);
+    return y;
+  }
+#endif
+  wf ? dense_linear_portable(xd, n, in, w.data_ptr<float>(), out, yd) : dense_linear_portable(xd, n, in, wb, out, yd);
   return y;
 }
 
-int64_t cpu_features() { return (has_avx512() ? 1 : 0) | (has_avx512_bf16() ? 2 : 0) | (has_amx() ? 4 : 0); }
+int64_t cpu_features() { return allowed_features(); }
+int64_t cpu_supported_features() { return supported_features(); }
+void set_cpu_features(int64_t mask) { set_allowed_features(static_cast<int>(mask)); }
 
 }  // namespace
 }  // namespace hetero_run_cpu
@@ -169,4 +213,6 @@ TORCH_LIBRARY(hetero_run, m) {
   m.def("nvfp4_dequant(Tensor codes, Tensor block_scale, Tensor row_scale) -> Tensor", &hetero_run_cpu::nvfp4_dequant);
   m.def("dense_linear(Tensor x, Tensor w, int path=0) -> Tensor", &hetero_run_cpu::dense_linear);
   m.def("cpu_features() -> int", &hetero_run_cpu::cpu_features);
+  m.def("cpu_supported_features() -> int", &hetero_run_cpu::cpu_supported_features);
+  m.def("set_cpu_features(int mask) -> ()", &hetero_run_cpu::set_cpu_features);
 }

@@ -1,6 +1,6 @@
 import pytest
 
-from hetero_run.kernels import cpu_ext
+from hetero_run.kernels import cpu_ext, cpu_isa
 
 
 @pytest.fixture(params=["compiled", "pytorch"])
@@ -11,4 +11,26 @@ def library(request, monkeypatch):
         pytest.skip("the compiled kernels do not build here")
     if request.param == "pytorch":
         monkeypatch.setitem(cpu_ext._state, "ops", None)
+    return request.param
+
+
+def runnable(isa: cpu_isa.Isa) -> str | None:
+    """Why `isa`'s kernels cannot be tested here, or None: every path the CPU supports is tested
+    (forced through the ops' `path` argument), the others are skipped with the reason."""
+    if cpu_ext.ops() is None:
+        return "the compiled kernels do not build here"
+    if isa.feature and not cpu_ext.supported_features() & isa.feature:
+        return f"this CPU has no {isa.label} (CPUID / OS)"
+    verdict = cpu_isa._verdicts(cpu_ext.supported_features()).get(isa.name, "ok") if isa.feature else "ok"
+    if verdict != "ok":
+        return f"{isa.label} is listed by CPUID but its self-test {verdict}"
+    return None
+
+
+@pytest.fixture(params=cpu_isa.ISAS, ids=lambda isa: isa.name)
+def isa(request) -> cpu_isa.Isa:
+    """Each instruction set's kernels in turn, skipped (with the reason) where the CPU cannot run them."""
+    reason = runnable(request.param)
+    if reason:
+        pytest.skip(reason)
     return request.param

@@ -7,22 +7,26 @@ import sys
 import pytest
 import torch
 
-from hetero_run.kernels import cpu_ext, nvfp4, nvfp4_gpu
+from hetero_run.kernels import cpu_ext, cpu_isa, nvfp4, nvfp4_gpu
 from hetero_run.kernels.dense_linear import dense_linear, dense_linear_reference
 from hetero_run.kernels.nvfp4_linear import nvfp4_dequantize, nvfp4_linear
 
 needs_lib = pytest.mark.skipif(cpu_ext.ops() is None, reason="compiled CPU kernels unavailable here")
-needs_amx = pytest.mark.skipif(not cpu_ext.features() & cpu_ext.FEATURE_AMX, reason="no AMX on this CPU")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
-# in_features exercising every code path: 128-chunks only, 32-element tails, a 16-element tail,
-# and the real target's row-parallel o_proj (448 = 3 * 128 + 64).
-SHAPES = [(37, 896), (64, 448), (5, 80), (16, 48), (3, 16), (130, 4864)]
+# in_features exercising every code path: whole groups of 16 blocks (256 inputs), a last group
+# of 9-15 blocks (384, 448 = the real target's row-parallel o_proj, 4864 = its down_proj minus
+# nothing: 19 groups), a last group of 1-8 blocks (16, 48, 80, 144, 896 = 3.5 groups), one block.
+SHAPES = [(37, 896), (64, 448), (5, 80), (16, 48), (3, 16), (130, 4864), (19, 256), (23, 384), (9, 144)]
+ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 40)  # 1-4: decoded in registers; more: decoded into tiles
 
 
 def _weight(out, inp, seed=0):
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(out, inp, generator=gen) * torch.rand(out, 1, generator=gen)
+    w[0, :16] = 0  # an all-zero block (scale 1.0)
+    if out > 1:
+        w[1, : min(inp, 48)] *= 1e-6  # blocks whose fp8 scales are subnormal
     q = nvfp4.quantize(w)
     row_scale = q.global_scale * (1 + torch.rand(out, generator=gen))  # per-row, as after fusing
     return q.codes, q.block_scale, row_scale
@@ -32,6 +36,70 @@ def _close(y, ref, tol=2e-5):
     err = (y.double() - ref.double()).abs().max().item()
     scale = ref.double().abs().max().item()
     assert err <= tol * scale, f"max error {err:.3g} vs max |ref| {scale:.3g}"
+
+
+def _x_dtypes(isa):
+    return [torch.bfloat16] if isa.bf16_only else [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_each_nvfp4_path_matches_reference(isa, shape):
+    """Every instruction set's kernel (forced) against the plain-PyTorch reference, for bf16 and
+    float32 activations, in registers (n <= 4) and through tiles."""
+    if isa.name == "amx" and shape[1] % 32:
+        pytest.skip("AMX tiles need in_features a multiple of 32")
+    codes, scale, row_scale = _weight(*shape)
+    lib = cpu_ext.ops()
+    for dtype in _x_dtypes(isa):
+        for n in ROWS:
+            x = torch.randn(n, shape[1]).to(dtype)
+            y = lib.nvfp4_linear(x, codes, scale.view(torch.uint8), row_scale, isa.path)
+            _close(y, nvfp4.linear_reference(x, codes, scale, row_scale))
+
+
+def test_block_scales_of_every_kind_decode_exactly(isa):
+    """Negative, subnormal and zero fp8 block scales (which the fast scale conversion leaves to
+    the exact one) next to ordinary ones."""
+    codes, scale, row_scale = _weight(8, 512, seed=3)
+    raw = scale.view(torch.uint8).clone()
+    raw[0, 3] |= 0x80  # negative
+    raw[2, 5] = 0x03  # subnormal
+    raw[3, 17] = 0x00  # zero
+    raw[4, 31] = 0x80  # negative zero
+    lib = cpu_ext.ops()
+    for dtype in _x_dtypes(isa):
+        for n in (1, 7):
+            x = torch.randn(n, 512).to(dtype)
+            ref = nvfp4.linear_reference(x, codes, raw.view(torch.float8_e4m3fn), row_scale)
+            _close(lib.nvfp4_linear(x, codes, raw, row_scale, isa.path), ref)
+
+
+@pytest.mark.parametrize("shape", [(37, 896), (6, 80), (9, 40), (130, 4864), (33, 97)])
+def test_each_dense_path_matches_float64(isa, shape):
+    if isa.name == "amx" and shape[1] % 32:
+        pytest.skip("AMX tiles need in_features a multiple of 32")
+    lib = cpu_ext.ops()
+    w = torch.randn(*shape)
+    for xd in _x_dtypes(isa):
+        for wd in ([torch.bfloat16] if xd == torch.bfloat16 or isa.bf16_only else [torch.bfloat16, torch.float32]):
+            for n in (1, 4, 8, 11, 40):
+                x = torch.randn(n, shape[1]).to(xd)
+                _close(lib.dense_linear(x, w.to(wd), isa.path), dense_linear_reference(x, w.to(wd)), tol=2e-5)
+
+
+def test_a_path_the_cpu_lacks_is_refused():
+    lib = cpu_ext.ops()
+    if lib is None:
+        pytest.skip("the compiled kernels do not build here")
+    codes, scale, row_scale = _weight(4, 64)
+    missing = [isa for isa in cpu_isa.ISAS if isa.feature and not cpu_ext.supported_features() & isa.feature]
+    for isa in missing:
+        with pytest.raises(RuntimeError, match="cannot run"):
+            lib.nvfp4_linear(torch.randn(2, 64).bfloat16(), codes, scale.view(torch.uint8), row_scale, isa.path)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        lib.dense_linear(torch.randn(2, 64), torch.randn(4, 64), 3)  # AVX512-BF16 path, float32 x
+    with pytest.raises(RuntimeError, match="path must be"):
+        lib.dense_linear(torch.randn(2, 64), torch.randn(4, 64), 7)
 
 
 @needs_lib
@@ -48,28 +116,16 @@ def test_compiled_nvfp4_linear_matches_reference(shape):
 
 
 @needs_lib
-def test_prefill_sized_batches_match():
-    codes, scale, row_scale = _weight(300, 448)
-    x = torch.randn(40, 448)
+@pytest.mark.parametrize("n", [40, 130, 300])
+def test_prefill_sized_batches_match(n):
+    """Prefill chunks take the same kernel, in passes of x rows that fit L2."""
+    codes, scale, row_scale = _weight(70, 4864)
+    x = torch.randn(n, 4864)
     _close(nvfp4_linear(x, codes, scale, row_scale), nvfp4.linear_reference(x, codes, scale, row_scale))
     xb = x.bfloat16()
     _close(nvfp4_linear(xb, codes, scale, row_scale), nvfp4.linear_reference(xb, codes, scale, row_scale), tol=1e-2)
-
-
-@needs_amx
-@pytest.mark.parametrize("shape", [s for s in SHAPES if s[1] % 32 == 0])
-def test_amx_tiles_match_reference_for_bf16_activations(shape):
-    """AMX: W dequantised exactly to bf16, products exact, fp32 sums: float32 results agree closely."""
-    codes, scale, row_scale = _weight(*shape, seed=2)
-    lib = cpu_ext.ops()
-    w = nvfp4.dequantize(codes, scale, row_scale).bfloat16()
-    for n in (1, 3, 8, 16):
-        x = torch.randn(n, shape[1]).bfloat16()
-        y = lib.nvfp4_linear(x, codes, scale.view(torch.uint8), row_scale, 2)
-        _close(y, nvfp4.linear_reference(x, codes, scale, row_scale))
-        _close(lib.dense_linear(x, w, 2), dense_linear_reference(x, w))
-        _close(lib.nvfp4_linear(x, codes, scale.view(torch.uint8), row_scale, 1),
-               nvfp4.linear_reference(x, codes, scale, row_scale))
+    w = torch.randn(70, 4864)
+    _close(dense_linear(x, w), dense_linear_reference(x, w))
 
 
 @needs_lib
