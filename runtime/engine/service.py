@@ -181,7 +181,7 @@ class BatchEngine:
                 if engine.has_work():
                     engine.step()
             except BaseException as exc:  # the ranks may disagree now: nothing more runs
-                log.debug("engine step failed", exc_info=True)
+                log.exception("engine step failed")
                 self.fail(self.describe_failure(exc))
                 return
             with self._lock:

@@ -80,7 +80,10 @@ class DraftTree:
         else:  # two proposers agree: either one being right is enough
             self.sources[row] |= source
             mine = self.reach[parent] * cond
-            self.reach[row] = 1.0 - (1.0 - self.reach[row]) * (1.0 - mine) if mine < 1.0 else mine
+            either = 1.0 - (1.0 - self.reach[row]) * (1.0 - mine) if mine < 1.0 else mine
+            # the verifier gets to a row only through its parent: never likelier than the parent,
+            # so ordering rows by reach keeps every parent before its children (cost.reach_order)
+            self.reach[row] = min(either, self.reach[parent])
         if cell is not None:
             self.cells[row].append(cell)
         return row

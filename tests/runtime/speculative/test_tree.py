@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from hetero_run.runtime.speculative.cost import reach_order
 from hetero_run.runtime.speculative.tree import MODEL, NGRAM, SUFFIX, Candidates, DraftTree
 
 
@@ -49,3 +50,18 @@ def test_restricted_and_graft_keep_parents_and_cells():
     assert abs(tree.reach[4] - 0.3) < 1e-9
     cut = tree.restricted([1, 3, 4])
     assert cut.tokens[1:] == [1, 5, 6] and cut.parents == [-1, 0, 0, 2] and cut.model_rows == [0, 1]
+
+
+def test_agreeing_proposers_never_make_a_row_likelier_than_its_parent():
+    """Two proposers agreeing on a whole chain raise both rows' reach; the child must not pass its
+    parent, or a prefix of the reach order would keep a row without its parent."""
+    tree = DraftTree()
+    tree.add_candidates(chain(NGRAM, [7, 8], 0.5))
+    tree.add_candidates(Candidates(SUFFIX, [7, 8], [-1, 0], [0.5, 1.0], [5, 9]))
+    assert tree.reach[2] <= tree.reach[1] == 1 - 0.5 * 0.5
+    order = reach_order(tree)
+    assert order == [1, 2]
+    for m in range(len(order) + 1):  # every prefix grafts: each kept row's parent is kept
+        other = DraftTree()
+        other.graft(tree, order[:m])
+        assert other.tokens[1:] == [7, 8][:m]
