@@ -131,8 +131,8 @@ def test_paged_attention_over_the_same_keys_gives_the_decode_bits(library, dtype
 
 
 def test_paged_attention_rejects_slots_outside_the_cache(library):
-    if cpu_ext.ops() is None:
-        pytest.skip("the compiled kernels do not build here")
+    if library == "pytorch":
+        pytest.skip("the compiled op's bounds checks; the PyTorch path indexes with torch's own")
     k, v = _cache(2, 16, 64, torch.float32, seed=1)
     q = torch.randn(1, 4, 64)
     with pytest.raises(RuntimeError, match="outside the cache of 16"):
