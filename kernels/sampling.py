@@ -96,13 +96,17 @@ def keyed_noise(seed: int, position: int, vocab: int, device=None) -> torch.Tens
 
 
 def sample_keyed(probs: torch.Tensor, seed: int, positions: list[int] | torch.Tensor,
-                 ids: torch.Tensor | None = None) -> torch.Tensor:
+                 ids: torch.Tensor | None = None, vocab: int | None = None) -> torch.Tensor:
     """probs [n, m] -> [n] draws, row i with the noise of (seed, positions[i]). `ids` [m] names
     the target token each column stands for (a drafter's probabilities over part of the target's
     vocabulary), so a drafter and the target racing over the same noise agree as often as their
-    distributions let them; by default column v is token v. Returns column indices."""
+    distributions let them; by default column v is token v. `vocab`: the target's vocabulary
+    width, the noise's (default m): whoever races at a position must draw the same vector.
+    Returns column indices."""
     out = []
-    width = int(ids.max()) + 1 if ids is not None else probs.shape[-1]
+    width = vocab if vocab is not None else probs.shape[-1]
+    if ids is not None and ids.numel() and int(ids.max()) >= width:
+        raise ValueError(f"column ids up to {int(ids.max())} outside the vocabulary of {width}")
     for row, position in zip(probs, positions.tolist() if torch.is_tensor(positions) else positions, strict=True):
         noise = keyed_noise(seed, int(position), width, row.device)
         if ids is not None:

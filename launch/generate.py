@@ -171,8 +171,8 @@ class TargetOnly:
 
     algorithm = "none"
 
-    def __init__(self, runner, sampling):
-        self.runner, self.sampling = runner, sampling
+    def __init__(self, runner, sampling, sampled_verification: str = "keyed"):
+        self.runner, self.sampling, self.sampled_verification = runner, sampling, sampled_verification
 
     def generate(self, prompt, max_new_tokens: int, stop_ids: set[int],
                  on_tokens: Callable[[list[int]], None]) -> dict:
@@ -183,26 +183,31 @@ class TargetOnly:
     def tokens(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> Iterator[list[int]]:
         import torch
 
-        from hetero_run.kernels.sampling import logits_to_probs, sample
+        from hetero_run.runtime.speculative.round import RoundPlan
+        from hetero_run.runtime.speculative.verifier import verifier_for
 
-        runner, n, params = self.runner, len(prompt_ids), self.sampling
+        runner, n = self.runner, len(prompt_ids)
         runner.truncate(0)
-        generator = None if params.greedy else params.generator()
+        choose = verifier_for(self.sampling, self.sampled_verification)  # the speculative rounds' own draws
+        nothing = torch.empty(0, dtype=torch.long)
         logits = runner.forward(torch.tensor(prompt_ids), torch.arange(n), num_logits=1)  # [1, vocab]
         for step in range(max_new_tokens):
-            logits = logits.cpu()
-            token = int(logits[0].argmax() if params.greedy else sample(logits_to_probs(logits, params), generator))
+            token = choose(RoundPlan(nothing, None, n - 1 + step), logits.cpu()).token_ids[0]
             yield [token]
             if token in stop_ids or step + 1 == max_new_tokens:
                 return
             logits = runner.forward(torch.tensor([token]), torch.tensor([n + step]))
 
 
+def _verification(config: GenerateConfig) -> str:
+    return getattr(config.speculation, "sampled_verification", "keyed")
+
+
 def make_decoder(config: GenerateConfig, runner, tokenizer=None, drafter=None, live: bool | None = None) -> Decoder:
     """The target alone, or the speculative engine when there is a drafter or a model-free
     proposer. Both read `decoder.sampling` at every generate()."""
     if drafter is None and config.algorithm == "none":
-        return TargetOnly(runner, config.sampling)
+        return TargetOnly(runner, config.sampling, _verification(config))
     return speculate.SpeculativeDecoder(runner, tokenizer, drafter, config.speculation, config.sampling,
                                         live=not config.json if live is None else live)
 
@@ -250,6 +255,14 @@ class TextStream:
             return
         text = self.text()
         if not text.endswith("\ufffd") and len(text) > self.shown:
+            self.write(text[self.shown:])
+            self.shown = len(text)
+
+    def finish(self) -> None:
+        """The generation ended: write what is held back (a half character stays one, as the
+        result's text has it)."""
+        text = self.text()
+        if self.write is not None and len(text) > self.shown:
             self.write(text[self.shown:])
             self.shown = len(text)
 
@@ -332,6 +345,7 @@ def _generate(decoder: Decoder, tokenizer, prompt: Prompt, request, prompt_token
 
     extra = dict(decoder.generate(request, config.max_new_tokens, stop_ids, on_tokens))
     seconds = time.perf_counter() - start
+    stream.finish()
     prefill = extra.pop("prefill_seconds", (first or start) - start)  # a decoder that knows better says so
     reason = "stop" if stream.ids and stream.ids[-1] in stop_ids else "length"
     return Result(prompt.text, stream.text(), stream.ids, prompt_tokens, seconds, prefill, reason, decoder.algorithm,
@@ -386,7 +400,8 @@ def run(args: argparse.Namespace) -> int:
         stop_ids = set() if config.ignore_eos else loaded.stop_ids
         with TargetRunner(loaded.model, loaded.ctx) as runner:
             decoder = make_decoder(config, runner, loaded.tokenizer, loaded.drafter)  # a bad pairing fails here
-            baseline = TargetOnly(runner, config.sampling) if config.compare else None
+            baseline = TargetOnly(runner, config.sampling, _verification(config)) \
+                if config.compare else None
             run_prompts(decoder, loaded.tokenizer, loaded.inputs, config, stop_ids, loaded.model.max_tokens,
                         None if config.json else _write, lambda r: _report(r, config.json, log), baseline)
     return 0

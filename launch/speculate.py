@@ -46,6 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="suffix: continuations below this estimated probability are not proposed (default 0.1)")
     group.add_argument("--suffix-max-generations", type=int, default=256, metavar="N",
                        help="suffix: earlier generations the process keeps, oldest evicted first (default 256)")
+    group.add_argument("--sampled-verification", choices=("keyed", "rejection"), default="keyed",
+                       help="seeded sampled requests: keyed draws each token from noise of (seed, position), so the "
+                       "output equals the target alone's with that seed under any speculation and batching; "
+                       "rejection accepts more drafts but its output depends on them (default keyed)")
     group.add_argument("--eagle3-layer-numbering", choices=("input", "output"),
                        help="override how the head's aux layer ids count (default: its layout's convention)")
     group.add_argument("--drafter-weights", choices=("dense", "nvfp4"), default="dense",
@@ -74,7 +78,8 @@ def speculation_config(args: argparse.Namespace):
                                  modelfree=modelfree, prompt_lookup_min=args.prompt_lookup_min,
                                  prompt_lookup_max=args.prompt_lookup_max, suffix_max_depth=args.suffix_max_depth,
                                  suffix_spec_factor=args.suffix_spec_factor, suffix_min_prob=args.suffix_min_prob,
-                                 suffix_max_generations=args.suffix_max_generations)
+                                 suffix_max_generations=args.suffix_max_generations,
+                                 sampled_verification=getattr(args, "sampled_verification", "keyed"))
     except ConfigError as exc:
         field = flags.get(exc.field) or "--" + (exc.field or "").replace("_", "-")
         raise ConfigError(exc.message, field=field) from None

@@ -32,7 +32,7 @@ from hetero_run.runtime.speculative.round import RoundPlan, Verdict
 from hetero_run.runtime.speculative.sequence import SpeculativeSequence
 from hetero_run.runtime.speculative.stats import GenerationResult, RoundStats
 from hetero_run.runtime.speculative.suffix import SuffixCache
-from hetero_run.runtime.speculative.verifier import RejectionSampler
+from hetero_run.runtime.speculative.verifier import verifier_for
 
 
 def supports_trees(target) -> bool:
@@ -95,7 +95,7 @@ class SpeculativeEngine:
         """One sequence's round state (a batching engine keeps one per running request, each with
         its own `drafter_model`, see SpeculativeSequence)."""
         sampling = sampling or SamplingParams()
-        verifier = RejectionSampler(sampling, None if sampling.greedy else sampling.generator())
+        verifier = verifier_for(sampling, self.config.sampled_verification)
         return SpeculativeSequence(self, Prompt.of(prompt, chat), sampling, verifier, stop_ids, max_new_tokens,
                                    drafter_model)
 

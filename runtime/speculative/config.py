@@ -42,8 +42,15 @@ class SpeculationConfig:
     auto_explore_every: int = 32  # auto: rounds between re-measurements of a drafter it does not pick
     auto_probe_rounds: int = 6  # selector.Selector (per-algorithm turns): rounds each candidate is measured for
     auto_reprobe_every: int = 96  # selector.Selector: rounds between re-measurements of the other candidates
+    # seeded sampled requests: "keyed" draws each token from noise keyed by (seed, position), so the
+    # output is the target alone's for that seed under any speculation and batching; "rejection":
+    # rejection sampling against q (accepts more drafts; the output then depends on the drafts)
+    sampled_verification: str = "keyed"
 
     def __post_init__(self):
+        if self.sampled_verification not in ("keyed", "rejection"):
+            raise ConfigError(f"must be keyed or rejection, got {self.sampled_verification!r}",
+                              field="sampled_verification")
         if self.algorithm not in ALGORITHMS:
             raise ConfigError(f"unknown algorithm {self.algorithm!r} (choose from {', '.join(ALGORITHMS)})",
                               field="algorithm")

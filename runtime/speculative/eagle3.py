@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hetero_run.kernels.sampling import logits_to_probs, sample
+from hetero_run.kernels.sampling import logits_to_probs
 from hetero_run.runtime.eagle3.drafter import Eagle3Drafter
 from hetero_run.runtime.speculative.proposer import Proposer
 from hetero_run.runtime.speculative.round import RoundPlan
@@ -37,11 +37,11 @@ class Eagle3Proposer(Proposer):
     def propose(self, k: int, start: int) -> RoundPlan:
         if k == 0:
             return self.empty(start)
-        sampling, generator = self.session.draft_sampling, self.session.generator
+        sampling, draw = self.session.draft_sampling, self.session.drawer(start)
 
         def choose(logits: torch.Tensor):  # [draft_vocab]
             q = logits_to_probs(logits[None], sampling)[0]  # [draft_vocab]
-            j = sample(q[None], generator)[0]
+            j = draw(q, self.target_ids)
             return self.target_ids[j], q
 
         drafts, rows = self.session.context.draft(k, choose, head=self.head)

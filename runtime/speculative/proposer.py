@@ -14,13 +14,15 @@ without re-reading the conversation.
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
-from hetero_run.kernels.sampling import SamplingParams
+from hetero_run.kernels.sampling import SamplingParams, sample, sample_keyed
 from hetero_run.runtime.speculative.context import DraftContext
 from hetero_run.runtime.speculative.pairing import Pairing
 from hetero_run.runtime.speculative.round import RoundPlan
@@ -36,6 +38,7 @@ class DraftSession:
     target_vocab: int  # width of the target's logits
     sampling: SamplingParams  # the target's: p
     generator: torch.Generator | None  # None when greedy
+    keyed_seed: int | None = None  # keyed verification (verifier.KeyedSampler): drafts race over its noise
 
     @property
     def draft_sampling(self) -> SamplingParams:
@@ -43,6 +46,21 @@ class DraftSession:
         top-p, whose sort over the whole vocabulary per drafted token costs more than the few
         tail drafts it would spare."""
         return replace(self.sampling, top_p=1.0)
+
+    def drawer(self, start: int) -> Callable[..., torch.Tensor]:
+        """draw(q, ids=None) -> the column drawn from q [m] for the round's next draft, the first
+        at position start + 1. Argmax when greedy; under keyed verification the draw races over
+        the noise the target's draw at that position uses (`ids` [m]: the target id of each
+        column), so drafter and target agree as often as q and p allow; else from the generator."""
+        positions = itertools.count(start + 1)
+
+        def draw(q: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
+            position = next(positions)
+            if self.keyed_seed is None or self.generator is None:
+                return sample(q[None], self.generator)[0]
+            return sample_keyed(q[None], self.keyed_seed, [position], ids, self.target_vocab)[0]
+
+        return draw
 
 
 class Proposer(ABC):

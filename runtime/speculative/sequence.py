@@ -93,7 +93,8 @@ class SpeculativeSequence:
             context = DraftContext(self.drafter_model or engine.drafter.model, pairing.drafter_retokenizer,
                                    self.prompt.for_drafter(pairing.drafter_tokenizer, pairing.target_tokenizer),
                                    pairing.same_vocab, engine.drafter_threads)
-        self.session = DraftSession(pairing, context, self.target_ids, logits.shape[-1], self.sampling, self.generator)
+        self.session = DraftSession(pairing, context, self.target_ids, logits.shape[-1], self.sampling, self.generator,
+                                    getattr(self.verifier, "seed", None))
         self.model = make_proposer(self.model_name, self.session, config) if self.model_name else None
         self.none = NoProposer(self.session, config)
         self.modelfree = ModelFree(config.sources, self.target_ids, config, engine.suffix_cache) \
@@ -205,7 +206,7 @@ class SpeculativeSequence:
             self.k = self._model_k(choice.k, room)
             begin = time.perf_counter()
             self._sync_drafter()
-            self.model_plan = self.model.propose(self.k, self.position)
+            self.model_plan = self._propose(room)
             context = self.session.context
             tokens, seconds = context.last_catch_up if context is not None else (0, 0.0)
             self.cost.record_draft(self.k, time.perf_counter() - begin, tokens, seconds, self.model_plan.k)

@@ -106,6 +106,18 @@ def walk(tree: Tree, root_probs: torch.Tensor, generator: torch.Generator | None
         probs = tree.probs[node]
 
 
+def keyed_walk(tree: Tree, psi: torch.Tensor, draw) -> int | None:
+    """Keyed verification's proposal: the target id drawn from psi with the position's keyed
+    noise (so it agrees with the target's draw as often as psi and p allow), reached through
+    its likeliest node; None when psi is empty. The keyed verifier reads no q, so any rule that
+    picks a node is exact; this one keeps the draft coupled to the target's noise."""
+    if not float(psi.sum()) > 0:
+        return None
+    target = int(draw(psi))
+    nodes = [n for n, t in enumerate(tree.target) if t == target]
+    return max(nodes, key=lambda n: tree.reach[n]) if nodes else None
+
+
 class SlrsProposer(Proposer):
     name = "slrs"
 
@@ -133,10 +145,12 @@ class SlrsProposer(Proposer):
         root_probs = self._probs(context.catch_up()[None])[0]
         chain: list[int] = []  # the last position's path: re-run as the next tree's trunk
         drafts, rows, path_tokens = [], [], []
+        keyed = self.session.keyed_seed is not None and self.session.generator is not None
+        draw = self.session.drawer(start)
         for _ in range(k):
             tree = self._grow(root_probs, chain)
             psi = proposal(tree, self.session.target_vocab)
-            node = walk(tree, root_probs, self.session.generator)
+            node = keyed_walk(tree, psi, draw) if keyed else walk(tree, root_probs, self.session.generator)
             context.end_tree(chain)
             rows.append(psi)
             self.counters["positions"] += 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from hetero_run.kernels.sampling import logits_to_probs, sample
+from hetero_run.kernels.sampling import logits_to_probs
 from hetero_run.runtime.speculative.proposer import Proposer
 from hetero_run.runtime.speculative.round import RoundPlan
 
@@ -27,11 +27,11 @@ class StandardProposer(Proposer):
     def propose(self, k: int, start: int) -> RoundPlan:
         if k == 0:
             return self.empty(start)
-        generator = self.session.generator
+        draw = self.session.drawer(start)
 
         def choose(logits: torch.Tensor):
             q = self._q(logits)  # [target_vocab]
-            return sample(q[None], generator)[0], q
+            return draw(q), q
 
         drafts, rows = self.session.context.draft(k, choose)
         rows.append(torch.zeros_like(rows[0]))  # bonus position: no proposal

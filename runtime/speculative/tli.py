@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hetero_run.kernels.sampling import logits_to_probs, sample
+from hetero_run.kernels.sampling import logits_to_probs
 from hetero_run.runtime.speculative.proposer import Proposer
 from hetero_run.runtime.speculative.round import RoundPlan
 
@@ -31,11 +31,11 @@ class TliProposer(Proposer):
         context = self.session.context
         if k == 0 or not context.draft_ready:
             return self.empty(start)
-        sampling, generator = self.session.draft_sampling, self.session.generator
+        sampling, draw = self.session.draft_sampling, self.session.drawer(start)
 
         def choose(logits: torch.Tensor):  # logits over the shared tokens
             q = logits_to_probs(logits[None], sampling)[0]  # [shared]
-            j = sample(q[None], generator)[0]
+            j = draw(q, self.target_ids)
             return self.draft_ids[j], (j, q)
 
         drafts, picks = context.draft(k, choose, head=self.head)

@@ -29,6 +29,17 @@ happen is choosing whether the q candidate is used from its own value or from an
 drafter drew after it; rounds never do (the drafter's chain is always verified whole).
 Greedy runs follow argmax p down the tree: the longest path the target alone would decode.
 
+Keyed verification (`KeyedSampler`, seeded requests by default): the token at position t is
+drawn by `kernels.sampling.sample_keyed` with noise that depends only on (seed, t), so the
+walk's output is a function of the seed and the target's distributions alone: the tokens the
+target alone draws with that seed, whatever was drafted, however the draft was cut to fit a
+batch, and whatever else shared the forward. Each token follows p given the path before it
+(the exponential race is an exact draw, and the noise of position t is independent of the
+earlier positions' that chose the path), so the output distribution over seeds is the
+target's. A draft is accepted when it equals that draw; drafters that draw their own tokens
+with the same noise (`DraftSession.drawer`) agree with it as often as q and p allow
+(coupled sampling), and q itself is not read.
+
 Host reads: greedy reads every row's argmax at once; sampled reads one decision per row the
 walk reaches (the draws happen lazily there, so rows the walk never reaches cost nothing).
 """
@@ -37,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from hetero_run.kernels.sampling import SamplingParams, logits_to_probs
+from hetero_run.kernels.sampling import SamplingParams, logits_to_probs, sample_keyed
 from hetero_run.runtime.speculative.round import RoundPlan, Verdict
 
 
@@ -118,6 +129,50 @@ class RejectionSampler:
     def _choose(self, r: torch.Tensor, children: dict[int, int]) -> int:
         """The target's own token from r; the walk moves on when a fixed candidate holds it."""
         return int(torch.multinomial(r, 1, generator=self.generator)[0])
+
+
+class KeyedSampler:
+    """Seeded sampled verification whose output does not depend on the drafts (see above)."""
+
+    def __init__(self, sampling: SamplingParams):
+        if sampling.greedy or sampling.seed is None:
+            raise ValueError("keyed verification is for seeded sampled requests")
+        self.sampling, self.seed = sampling, sampling.seed
+        self.generator = sampling.generator()  # the proposers' own draws (SLRS's walk), seeded too
+
+    def __call__(self, plan: RoundPlan, target_logits: torch.Tensor) -> Verdict:
+        tokens = [-1] + plan.draft_target_ids.tolist()
+        parents = plan.parent_rows()
+        children: list[dict[int, int]] = [{} for _ in tokens]
+        depth = [0] * len(tokens)
+        for row, parent in enumerate(parents):
+            if parent >= 0:
+                children[parent].setdefault(tokens[row], row)
+                depth[row] = depth[parent] + 1
+        row, out, rows = 0, [], [0]
+        while True:
+            p = logits_to_probs(target_logits[row:row + 1], self.sampling)  # [1, vocab]
+            token = int(sample_keyed(p, self.seed, [self._position(plan, depth[row])])[0])
+            out.append(token)
+            row = children[row].get(token, -1)
+            if row < 0:
+                return Verdict(out, rows, plan.k)
+            rows.append(row)
+
+    @staticmethod
+    def _position(plan: RoundPlan, depth: int) -> int:
+        """The position of the token a row at `depth` decides: its noise's key."""
+        return plan.start + depth + 1
+
+
+def verifier_for(sampling: SamplingParams, method: str = "keyed"):
+    """The verifier of one request: argmax walks when greedy; `method` "keyed" for seeded sampled
+    requests (reproducible under any batching and speculation), rejection sampling otherwise."""
+    if method not in ("keyed", "rejection"):
+        raise ValueError(f"unknown sampled verification {method!r} (keyed or rejection)")
+    if not sampling.greedy and sampling.seed is not None and method == "keyed":
+        return KeyedSampler(sampling)
+    return RejectionSampler(sampling, None if sampling.greedy else sampling.generator())
 
 
 def read_emitted(verdict: Verdict) -> list[int]:

@@ -82,4 +82,11 @@ def test_keyed_draws_follow_p_and_depend_only_on_seed_and_position():
     q, ids = torch.tensor([[0.6, 0.4]]), torch.tensor([4, 1])
     for seed in range(50):
         noise = keyed_noise(seed, 2, 5)
-        assert int(ids[sample_keyed(q, seed, [2], ids)]) == int(ids[torch.argmax(q[0] / noise[ids])])
+        assert int(ids[sample_keyed(q, seed, [2], ids, vocab=5)]) == int(ids[torch.argmax(q[0] / noise[ids])])
+
+
+def test_keyed_noise_for_part_of_the_vocabulary_needs_the_whole_width():
+    from hetero_run.kernels.sampling import sample_keyed
+
+    with pytest.raises(ValueError, match="outside the vocabulary of 2"):
+        sample_keyed(torch.tensor([[0.6, 0.4]]), 1, [2], torch.tensor([4, 1]))

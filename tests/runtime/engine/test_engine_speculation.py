@@ -102,3 +102,33 @@ def test_every_request_drafts_on_its_own_slot_and_stays_the_targets():
         assert tuple(tokens[f"r{i}"]) == reference(prompt), prompt
         assert finals[f"r{i}"].speculation.draft_tokens > 0, prompt  # each had a slot of its own
     assert drafter.network.free_slots == 4 and engine.speculation.free_slots == 4
+
+
+def _run(engine, requests) -> dict[str, tuple[int, ...]]:
+    tokens: dict[str, list[int]] = {}
+    for request in requests:
+        engine.add(request, lambda event, rid=request.request_id: tokens.setdefault(rid, []).extend(event.token_ids))
+    while engine.has_work():
+        engine.step()
+    return {rid: tuple(ids) for rid, ids in tokens.items()}
+
+
+@pytest.mark.parametrize("algorithm, drafter", [("tli", "sentencepiece"), ("standard", "same"),
+                                                ("auto", "sentencepiece")])
+def test_a_seeded_sampled_request_among_others_returns_what_it_returns_alone(algorithm, drafter):
+    """Keyed verification: each token's draw depends on (seed, position) only, so neither the
+    other requests (smaller drafts under load) nor the algorithm change a seeded request."""
+    from hetero_run.launch.generate import TargetOnly
+
+    sampling = [SamplingParams(temperature=1.0, seed=seed) for seed in (3, 4, 5, 6)]
+    requests = [GenerationRequest(f"r{i}", _request(i, prompt).prompt, NEW, params)
+                for i, (prompt, params) in enumerate(zip(PROMPTS, sampling, strict=True))]
+    together = _run(_engine(algorithm, drafter), requests)
+    runner = TargetRunner(load_model(target_model(), max_tokens=256, dtype=torch.float32))
+    for request in requests:
+        alone = _run(_engine(algorithm, drafter), [request])[request.request_id]
+        assert together[request.request_id] == alone, request.request_id
+        target = TargetOnly(runner, request.sampling)
+        plain = [t for ids in target.tokens(list(request.prompt.target_ids), NEW, set()) for t in ids]
+        assert alone == tuple(plain), request.request_id  # the target alone, same seed
+    assert len(set(together.values())) == len(requests)

@@ -7,6 +7,10 @@ so the next two are the first speculative ones; their joint frequency over thous
 seeded generations is compared with the exact joint p(t2) p(t3 | t2) by a chi-square test.
 The same test run against a verifier with the textbook bug (recovered tokens drawn from p
 instead of the residual max(0, p - q)) must fail, which shows the test can see a wrong verifier.
+
+Both sampled verifications are tested: rejection sampling against q, and keyed verification
+(verifier.KeyedSampler, the default for seeded requests), whose tokens must in addition be
+the target alone's for the same seed, whatever the algorithm drafted.
 """
 
 from __future__ import annotations
@@ -20,11 +24,11 @@ import speculative_support as support
 import torch
 
 from hetero_run.kernels.sampling import SamplingParams, logits_to_probs
-from hetero_run.runtime import driver
 from hetero_run.runtime.drafters.load import Drafter
 from hetero_run.runtime.driver import SpeculativeEngine
+from hetero_run.runtime.speculative import verifier
 from hetero_run.runtime.speculative.config import SpeculationConfig
-from hetero_run.runtime.speculative.verifier import RejectionSampler
+from hetero_run.runtime.speculative.verifier import KeyedSampler, RejectionSampler
 from hetero_run.runtime.speculative.vocab import Intersection, TokenTable
 
 ALPHABET = "the "
@@ -64,7 +68,7 @@ def chi_square_p_value(counts: Counter, expected: dict, runs: int) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def build(algorithm: str, drafter_tokenizer: str, sampling: SamplingParams = PLAIN):
+def build(algorithm: str, drafter_tokenizer: str, sampling: SamplingParams = PLAIN, verification: str = "rejection"):
     target_tok = support.byte_level()
     target, allowed = support.restricted_pair_lm(target_tok, ALPHABET, seed=11, cls=support.PairTarget)
     prompt_ids = target_tok(PROMPT)["input_ids"]
@@ -81,7 +85,8 @@ def build(algorithm: str, drafter_tokenizer: str, sampling: SamplingParams = PLA
     model, _ = support.restricted_pair_lm(tokenizer, ALPHABET, seed=5, cls=support.PairDrafter)
     imitate(model, target, tokenizer, target_tok)
     engine = SpeculativeEngine(target, target_tok, Drafter(model, tokenizer, "pair-drafter"),
-                               SpeculationConfig(algorithm=algorithm, draft_len=3, adaptive=False))
+                               SpeculationConfig(algorithm=algorithm, draft_len=3, adaptive=False,
+                                                 sampled_verification=verification))
     return engine, forced, expected
 
 
@@ -132,7 +137,7 @@ def test_top_p_and_top_k_sampling_is_exact_too():
 
 @pytest.mark.parametrize("algorithm, drafter_tokenizer", CASES[:3])
 def test_a_broken_verifier_fails_the_same_test(monkeypatch, algorithm, drafter_tokenizer):
-    monkeypatch.setattr(driver, "RejectionSampler", ResidualIsP)
+    monkeypatch.setattr(verifier, "RejectionSampler", ResidualIsP)
     engine, forced, expected = build(algorithm, drafter_tokenizer)
     counts, _ = sample_pairs(engine, forced, BROKEN_RUNS)
     assert chi_square_p_value(counts, expected, BROKEN_RUNS) < 1e-6
@@ -203,7 +208,8 @@ class FrozenSuffixCache:
         return cache
 
 
-def build_tree(algorithm: str, drafter_tokenizer: str | None, sampling: SamplingParams = PLAIN):
+def build_tree(algorithm: str, drafter_tokenizer: str | None, sampling: SamplingParams = PLAIN,
+               verification: str = "rejection"):
     """As `build`, on a target that verifies trees, with a suffix cache whose continuations of
     the prompt's last token and the forced token branch three ways, then two."""
     target_tok = support.byte_level()
@@ -228,7 +234,8 @@ def build_tree(algorithm: str, drafter_tokenizer: str | None, sampling: Sampling
         imitate(model, target, tokenizer, target_tok)
         drafter = Drafter(model, tokenizer, "pair-drafter")
     config = SpeculationConfig(algorithm=algorithm, draft_len=2, adaptive=False, hybrid=drafter is not None,
-                               modelfree=("suffix",), suffix_spec_factor=4.0, suffix_min_prob=0.05)
+                               modelfree=("suffix",), suffix_spec_factor=4.0, suffix_min_prob=0.05,
+                               sampled_verification=verification)
     engine = SpeculativeEngine(target, target_tok, drafter, config, suffix_cache=FrozenSuffixCache(history))
     assert engine.trees
     return engine, forced, expected
@@ -240,7 +247,7 @@ TREE_CASES = [("suffix", None), ("tli", "sentencepiece"), ("standard", "same")]
 @pytest.mark.parametrize("algorithm, drafter_tokenizer", TREE_CASES)
 def test_sampled_trees_with_several_branches_follow_the_target_distribution(monkeypatch, algorithm,
                                                                            drafter_tokenizer):
-    monkeypatch.setattr(driver, "RejectionSampler", Recording)
+    monkeypatch.setattr(verifier, "RejectionSampler", Recording)
     Recording.widest = []
     engine, forced, expected = build_tree(algorithm, drafter_tokenizer)
     counts, acceptance = sample_pairs(engine, forced, RUNS)
@@ -252,7 +259,73 @@ def test_sampled_trees_with_several_branches_follow_the_target_distribution(monk
 @pytest.mark.parametrize("algorithm, drafter_tokenizer", TREE_CASES[:2])
 def test_a_tree_verifier_taking_branches_independently_fails_the_same_test(monkeypatch, algorithm,
                                                                            drafter_tokenizer):
-    monkeypatch.setattr(driver, "RejectionSampler", BranchesIndependently)
+    monkeypatch.setattr(verifier, "RejectionSampler", BranchesIndependently)
     engine, forced, expected = build_tree(algorithm, drafter_tokenizer)
     counts, _ = sample_pairs(engine, forced, RUNS)
     assert chi_square_p_value(counts, expected, RUNS) < 1e-6
+
+
+# -- keyed verification ------------------------------------------------------------------------
+
+class KeyedRecording(KeyedSampler):
+    widest: list[int] = []
+
+    def __call__(self, plan, target_logits):
+        parents = plan.parent_rows()
+        KeyedRecording.widest.append(max([parents[1:].count(r) for r in range(len(parents))], default=0))
+        return super().__call__(plan, target_logits)
+
+
+class KeyedOnSeedOnly(KeyedSampler):
+    """The mistake keyed sampling must not make: one noise vector for every position of a
+    request (keyed by the seed alone), so consecutive tokens are drawn from dependent noise."""
+
+    @staticmethod
+    def _position(plan, depth):
+        return 0
+
+
+@pytest.mark.parametrize("algorithm, drafter_tokenizer", CASES[:3])
+def test_keyed_sampled_tokens_follow_the_target_distribution(algorithm, drafter_tokenizer):
+    engine, forced, expected = build(algorithm, drafter_tokenizer, verification="keyed")
+    counts, acceptance = sample_pairs(engine, forced, RUNS)
+    assert acceptance > 0.25, "the drafts must be accepted often enough for the test to mean something"
+    assert chi_square_p_value(counts, expected, RUNS) > 1e-3
+
+
+def test_keyed_sampled_trees_follow_the_target_distribution(monkeypatch):
+    monkeypatch.setattr(verifier, "KeyedSampler", KeyedRecording)
+    KeyedRecording.widest = []
+    engine, forced, expected = build_tree("tli", "sentencepiece", verification="keyed")
+    counts, _ = sample_pairs(engine, forced, RUNS)
+    assert max(KeyedRecording.widest) >= 3, "the trees must branch for the test to mean something"
+    assert chi_square_p_value(counts, expected, RUNS) > 1e-3
+
+
+def test_keyed_noise_shared_by_every_position_fails_the_same_test(monkeypatch):
+    monkeypatch.setattr(verifier, "KeyedSampler", KeyedOnSeedOnly)
+    engine, forced, expected = build("standard", "same", verification="keyed")
+    counts, _ = sample_pairs(engine, forced, BROKEN_RUNS)
+    assert chi_square_p_value(counts, expected, BROKEN_RUNS) < 1e-6
+
+
+def test_a_seed_gives_the_target_alones_tokens_whatever_was_drafted():
+    """Keyed: the same seed, the same tokens, for the target alone and every algorithm (chains
+    and trees, drafts of every length); rejection sampling's output depends on the drafts."""
+    sampling = replace(PLAIN, temperature=0.9)
+    engines = {name: build(name, tok, sampling, verification="keyed")[0]
+               for name, tok in [("none", "same"), ("standard", "same"), ("tli", "sentencepiece"),
+                                 ("slrs", "sentencepiece")]}
+    engines["suffix tree"] = build_tree("suffix", None, sampling, verification="keyed")[0]
+    engines["tli+suffix tree"] = build_tree("tli", "sentencepiece", sampling, verification="keyed")[0]
+    rejection = build("standard", "same", sampling)[0]
+    differs = 0
+    for seed in range(40):
+        alone = engines["none"].generate(PROMPT, max_new_tokens=8, sampling=replace(sampling, seed=seed),
+                                         stop_ids=set())
+        for name, engine in engines.items():
+            got = engine.generate(PROMPT, max_new_tokens=8, sampling=replace(sampling, seed=seed), stop_ids=set())
+            assert got.token_ids == alone.token_ids, (name, seed)
+        other = rejection.generate(PROMPT, max_new_tokens=8, sampling=replace(sampling, seed=seed), stop_ids=set())
+        differs += other.token_ids != alone.token_ids
+    assert differs > 0, "rejection sampling draws other streams: the keyed test above is not vacuous"
