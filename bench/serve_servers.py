@@ -165,7 +165,7 @@ def server_argv(args, name: str) -> list[str]:
 def planned_bytes(args, name: str) -> dict[int, int] | None:
     """Per rank, what `hetero-run plan` gives the process (its total less the OS reserve)."""
     argv = [_bin("hetero-run"), "plan", "--target", args.launch, "--context", str(args.context),
-            "--batch", str(args.max_num_seqs), "--tp", str(args.tp), "--json"]
+            "--max-num-seqs", str(args.max_num_seqs), "--tp", str(args.tp), "--json"]
     if name != OFF:
         argv += ["--drafter", args.drafter]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=_env())

@@ -25,10 +25,11 @@ new tokens: the tables give decode tok/s (new tokens after the first, over the t
 beside end-to-end tok/s, and the ratios of both to the target alone in the same run. Each row
 is a fresh engine (its suffix cache starts empty: only earlier prompts of the same row are
 "earlier generations"; the warm-up prompt is not in any set). Also per row: tokens per round,
-acceptance (accepted / draft rows verified), whether every greedy output is token-identical to
-the target alone (sampled rows draw other random streams; their exactness is what
-tests/runtime/speculative/test_sampling_exact.py shows), what auto picked, and the model-free
-proposers' lookup and update cost per round (the suffix tree's update included). With
+acceptance (accepted / draft rows verified), whether every output is token-identical to the
+target alone (greedy; and sampled, seed 0: keyed verification draws each token from noise of
+the seed and its position, so a seeded sampled output is the target alone's too; that the
+draws follow p exactly is what tests/runtime/speculative/test_sampling_exact.py shows), what
+auto picked, and the model-free proposers' lookup and update cost per round (the suffix tree's update included). With
 llama-cpp-python importable, llama.cpp runs the same GGUF target on 2 threads alone and with
 its prompt-lookup drafter (greedy; the same prompts rendered by the same chat template).
 Writes DIR/speculative.json and prints one table per
@@ -338,7 +339,9 @@ def _compare(rows: list[dict]) -> None:
         r["vs_target_alone"] = r["tok_s"] / base["tok_s"] if base else None
         r["decode_vs_target_alone"] = r["decode_tok_s"] / base["decode_tok_s"] \
             if base and r.get("decode_tok_s") else None
-        r["identical"] = (r["ids"] == base["ids"]) if r["mode"] == "greedy" and base and "ids" in r else None
+        # greedy, and seeded sampled rows (keyed verification): token-identical to the target alone
+        same_engine = r["system"] == "hetero-run" or r["mode"] == "greedy"
+        r["identical"] = (r["ids"] == base["ids"]) if same_engine and base and "ids" in r else None
 
 
 def _progress(r: dict) -> None:

@@ -146,6 +146,39 @@ def test_a_seeded_sampled_request_is_reproducible(server, reference):
     assert any(ids != greedy for ids in [first, *others]) and any(ids != first for ids in others)  # it sampled
 
 
+def test_seeded_sampled_requests_among_others_return_what_they_return_alone(server, pair):
+    """Keyed verification: a seeded request's tokens depend on its seed and the target only, not
+    on the requests batched with it, nor on how much was drafted; they equal generate's."""
+    client = server.client(timeout=180)
+
+    def sample(i):
+        return client.completions.create(model="target", prompt=PROMPTS[i % 4], max_tokens=NEW, temperature=1.0,
+                                         seed=100 + i, extra_body={"ignore_eos": True, "return_token_ids": True}
+                                         ).choices[0].token_ids
+
+    alone = [sample(i) for i in range(6)]
+    together: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def worker(i):
+        try:
+            together[i] = sample(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert [together[i] for i in range(6)] == alone
+    target, drafter = pair
+    (cli,) = generate_json(target, drafter, [PROMPTS[0]], "--max-new-tokens", str(NEW), "--temperature", "1.0",
+                           "--seed", "100", "--ignore-eos")
+    assert cli["token_ids"] == alone[0]
+
+
 def test_eight_concurrent_streams_complete_equal_to_one_by_one(server):
     client = server.client(timeout=180)
     prompts = [f"{PROMPTS[i % 4]}{'#' * (i // 4)}" for i in range(8)]
