@@ -76,3 +76,32 @@ def test_the_drafter_is_re_measured_every_explore_rounds():
     explorer.elapsed = 100.0  # seconds measured: 2% of them may go to re-measuring
     picks = [explorer.choose([], model=True, tree=True).k for _ in range(20)]
     assert picks.count(0) >= 15 and any(picks)
+
+
+def test_a_sequence_drafts_fewer_rows_the_more_sequences_share_its_steps():
+    """A batched step's fixed cost (reading the weights) is split over its sequences and its
+    per-row cost by rows (engine.speculation.Speculation.shares), so in a step of S sequences a
+    sequence's own verify rows cost relatively more: the same candidates get fewer rows, and
+    none once a row costs about what it is expected to bring."""
+    from hetero_run.runtime.engine.speculation import Speculation
+    from hetero_run.runtime.speculative.adaptive import _Line
+
+    fixed, per_row = 0.024, 0.004  # a step: 24 ms of weights, 4 ms a row
+    chain = [(d, 0.8 ** d) for d in range(1, 13)]
+    rows = []
+    for seqs in (1, 4, 16):
+        planner = Speculation.__new__(Speculation)  # only its step-cost split is used here
+        planner.step_cost = _Line()
+        for per_seq in (1, 2, 3, 5):  # steps of `seqs` sequences, each with per_seq rows
+            planner.step_cost.add(seqs * per_seq, fixed + per_row * seqs * per_seq)
+        cost = CostModel(CONFIG)
+        for n in (1, 2, 4, 8, 16):
+            step_rows = [n] + [1] * (seqs - 1)  # this sequence verifies n rows, the others decode
+            seconds = fixed + per_row * sum(step_rows)
+            share = planner.shares(step_rows, seconds)[0]
+            assert share == pytest.approx(fixed / seqs + per_row * n, rel=1e-3)
+            for _ in range(5):
+                cost.record_verify(n, share, tree=False)
+        rows.append(cost.choose(chain, model=False, tree=True).m)
+    assert rows[0] > rows[1] > rows[2], rows
+    assert rows[2] <= 1, rows
