@@ -396,6 +396,7 @@ class Rank0:
         if self.dist.world_size > 1 and (isinstance(exc, tdist.DistBackendError) or _looks_like_transport_error(exc)):
             self.peer_failure = self.dist.failure(exc)
             return str(self.peer_failure)
+        self.log.error("engine step failed", exc_info=exc)  # not a lost peer: a bug, with its traceback
         return f"the engine failed: {type(exc).__name__}: {short_reason(exc)}"
 
     def _peer_lost(self, message: str) -> None:

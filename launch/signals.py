@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 
 from hetero_run.launch.log import get_logger
-from hetero_run.launch.watchdog import exit_now, signal_seen
+from hetero_run.launch.watchdog import exit_now, probe_peers, signal_seen
 
 log = get_logger(__name__)
 
@@ -50,6 +50,7 @@ def unwind_on_signals(grace_s: float) -> Iterator[None]:
             # Said here, at once: the main thread may be blocked in a collective, and mpirun
             # follows its SIGTERM with SIGKILL about 0.25 s later.
             log.warning("received %s; shutting down", signal.Signals(signum).name)
+            probe_peers()  # a peer's death may be why: name it before mpirun's SIGKILL
             if done.wait(grace_s):
                 return
             exit_now(

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import NoReturn
 
@@ -32,6 +33,15 @@ ABORT_GRACE_S = 5.0  # for a rank's own unwinding to reach stop() after a peer a
 # Set by the signal watcher as soon as SIGINT/SIGTERM arrives, even while the main thread is
 # blocked in C and cannot run its Python handler yet.
 signal_seen = threading.Event()
+_running: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
+
+
+def probe_peers() -> None:
+    """Ping every peer now rather than at the next interval. A signal may mean that a peer died
+    and mpirun is ending the job (its SIGKILL follows about 0.25 s later): a dead peer is then
+    named at once (its socket is closed) and the server can end its streams with that reason."""
+    for heartbeat in list(_running):
+        heartbeat._wake.set()
 
 
 def exit_now(message: str, code: int = 3) -> NoReturn:
@@ -55,6 +65,7 @@ class Heartbeat:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._stop = threading.Event()
+        self._wake = threading.Event()  # stop() or probe_peers(): the leader pings now
         self._aborting = False
         self._departed: set[int] = set()
         # called with the message just before the heartbeat ends the process for a lost peer, so a
@@ -63,12 +74,14 @@ class Heartbeat:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
     def start(self) -> None:
+        _running.add(self)
         self._thread.start()
 
     def stop(self, aborting: bool = False) -> None:
         """End the heartbeat; `aborting` tells the peers this rank leaves after an error or signal."""
         self._aborting = aborting
         self._stop.set()
+        self._wake.set()
         self._thread.join(timeout=self.interval_s + self.timeout_s + 1.0)
 
     def departed(self) -> set[int]:
@@ -138,7 +151,8 @@ class Heartbeat:
         active = set(range(1, self.world_size))
         seq = 0
         while active:
-            self._stop.wait(self.interval_s)
+            self._wake.wait(self.interval_s)
+            self._wake.clear()
             seq += 1
             flag = self._own_flag()
             for r in sorted(active):

@@ -49,12 +49,18 @@ class _Handle:
     generated: int = 0
 
 
+def _unexpected(exc: BaseException) -> str:
+    """The default description of a failed step: a bug here, so its traceback goes to the log."""
+    log.error("engine step failed", exc_info=exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
 class BatchEngine:
     def __init__(self, max_queue: int = 64, describe_failure: Callable[[BaseException], str] | None = None):
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue}")
         self.max_queue = max_queue
-        self.describe_failure = describe_failure or (lambda exc: f"{type(exc).__name__}: {exc}")
+        self.describe_failure = describe_failure or _unexpected
         self.state = EngineState.LOADING
         self.error: str | None = None
         self.max_context = 0
@@ -181,7 +187,7 @@ class BatchEngine:
                 if engine.has_work():
                     engine.step()
             except BaseException as exc:  # the ranks may disagree now: nothing more runs
-                log.exception("engine step failed")
+                log.debug("engine step failed", exc_info=True)
                 self.fail(self.describe_failure(exc))
                 return
             with self._lock:
