@@ -52,6 +52,16 @@ from hetero_run.kernels.sampling import SamplingParams, logits_to_probs, sample_
 from hetero_run.runtime.speculative.round import RoundPlan, Verdict
 
 
+def _tree(plan: RoundPlan) -> tuple[list[int], list[dict[int, int]]]:
+    """The round's rows: their tokens (row 0: -1) and each row's children by token."""
+    tokens = [-1] + plan.draft_target_ids.tolist()
+    children: list[dict[int, int]] = [{} for _ in tokens]
+    for row, parent in enumerate(plan.parent_rows()):
+        if parent >= 0:
+            children[parent].setdefault(tokens[row], row)
+    return tokens, children
+
+
 class RejectionSampler:
     def __init__(self, sampling: SamplingParams, generator: torch.Generator | None):
         self.sampling = sampling
@@ -61,11 +71,7 @@ class RejectionSampler:
 
     def __call__(self, plan: RoundPlan, target_logits: torch.Tensor) -> Verdict:
         """target_logits [n + 1, vocab] (one row per tree row) -> the round's Verdict."""
-        tokens = [-1] + plan.draft_target_ids.tolist()
-        children: list[dict[int, int]] = [{} for _ in tokens]
-        for row, parent in enumerate(plan.parent_rows()):
-            if parent >= 0:
-                children[parent].setdefault(tokens[row], row)
+        tokens, children = _tree(plan)
         if self.sampling.greedy:
             return self._walk_greedy(target_logits.argmax(-1).tolist(), children, plan.k)
         return self._walk_sampled(plan, target_logits, tokens, children)
@@ -141,14 +147,8 @@ class KeyedSampler:
         self.generator = sampling.generator()  # the proposers' own draws (SLRS's walk), seeded too
 
     def __call__(self, plan: RoundPlan, target_logits: torch.Tensor) -> Verdict:
-        tokens = [-1] + plan.draft_target_ids.tolist()
-        parents = plan.parent_rows()
-        children: list[dict[int, int]] = [{} for _ in tokens]
-        depth = [0] * len(tokens)
-        for row, parent in enumerate(parents):
-            if parent >= 0:
-                children[parent].setdefault(tokens[row], row)
-                depth[row] = depth[parent] + 1
+        _, children = _tree(plan)
+        depth = plan.depths()
         row, out, rows = 0, [], [0]
         while True:
             p = logits_to_probs(target_logits[row:row + 1], self.sampling)  # [1, vocab]
