@@ -9,7 +9,7 @@ import threading
 from collections.abc import Iterator
 
 from hetero_run.launch.log import get_logger
-from hetero_run.launch.watchdog import exit_now, probe_peers, signal_seen
+from hetero_run.launch.watchdog import exit_now, note_signal, probe_peers
 
 log = get_logger(__name__)
 
@@ -37,19 +37,28 @@ def unwind_on_signals(grace_s: float) -> Iterator[None]:
     os.set_blocking(write_fd, False)
     done = threading.Event()
 
+    said = threading.Lock()
+
+    def announce(signum: int) -> None:
+        """Log the signal once, from whichever thread sees it first."""
+        if said.acquire(blocking=False):
+            note_signal(signum)
+            log.warning("received %s; shutting down", signal.Signals(signum).name)
+
     def watch():
         while not done.is_set():
             try:
                 data = os.read(read_fd, 1)
             except OSError:
                 return
-            if not data or done.is_set():
+            if not data:
                 return
             signum = data[0]
-            signal_seen.set()
             # Said here, at once: the main thread may be blocked in a collective, and mpirun
             # follows its SIGTERM with SIGKILL about 0.25 s later.
-            log.warning("received %s; shutting down", signal.Signals(signum).name)
+            announce(signum)
+            if done.is_set():
+                return
             probe_peers()  # a peer's death may be why: name it before mpirun's SIGKILL
             if done.wait(grace_s):
                 return
@@ -65,6 +74,7 @@ def unwind_on_signals(grace_s: float) -> Iterator[None]:
         if fired.is_set():
             return  # already unwinding; a second exception would cut teardown short
         fired.set()
+        announce(signum)  # the watcher may not get to it before the unwinding ends
         raise Interrupted(signum)
 
     previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -31,8 +31,15 @@ ALIVE, STOP, ABORT = 0, 1, 2
 ABORT_GRACE_S = 5.0  # for a rank's own unwinding to reach stop() after a peer aborted
 
 # Set by the signal watcher as soon as SIGINT/SIGTERM arrives, even while the main thread is
-# blocked in C and cannot run its Python handler yet.
+# blocked in C and cannot run its Python handler yet; `signal_number` is the signal's number.
 signal_seen = threading.Event()
+signal_number = 0
+
+
+def note_signal(signum: int) -> None:
+    global signal_number
+    signal_number = signum
+    signal_seen.set()
 _running: weakref.WeakSet[Heartbeat] = weakref.WeakSet()
 
 
@@ -101,6 +108,12 @@ class Heartbeat:
             if self._stop.is_set():
                 log.debug("heartbeat during shutdown: %s", lost)
                 return
+            if signal_seen.is_set():
+                # This rank was signalled too: either the peer left on the same signal, or it died
+                # and mpirun is ending the job. Name it (a server ends its streams with it), but
+                # leave as the signal says, as the rank's own unwinding would have.
+                self._end(f"{self.peers[lost.rank]} {lost.reason} after this rank's signal; exiting",
+                          code=128 + signal_number)
             self._end(f"{self.peers[lost.rank]} {lost.reason}; ending the job")
 
     def _peer_aborted(self, rank: int) -> None:
@@ -108,17 +121,18 @@ class Heartbeat:
         if self._stop.is_set():
             return
         if signal_seen.is_set():
-            exit_now(f"waiting on {self.peers[rank]}, which left after the same signal; exiting", code=143)
+            exit_now(f"waiting on {self.peers[rank]}, which left after the same signal; exiting",
+                     code=128 + signal_number)
         if not self._stop.wait(ABORT_GRACE_S):
             self._end(f"{self.peers[rank]} left the job after an error or a signal; ending the job")
 
-    def _end(self, message: str) -> NoReturn:
+    def _end(self, message: str, code: int = 3) -> NoReturn:
         if self.on_peer_lost is not None:
             try:
                 self.on_peer_lost(message)
             except Exception as exc:  # the process ends either way
                 log.debug("on_peer_lost failed: %s", exc)
-        exit_now(message)
+        exit_now(message, code=code)
 
     def _send(self, seq: int, flag: int, dst: int) -> None:
         import torch.distributed as tdist

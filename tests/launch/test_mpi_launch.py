@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -75,7 +76,10 @@ def test_killing_rank_1_ends_rank_0_naming_it(popen_cli, mpirun_flags, tmp_path)
     stdout, stderr = proc.communicate(timeout=90)
     assert time.monotonic() - start < 60
     assert proc.returncode != 0
-    assert f"rank 1 (host {os.uname().nodename}, pid {victim}) stopped responding" in stderr, stderr
+    # Named by whichever notices first: the main thread's collective or the heartbeat (when
+    # mpirun's SIGTERM, sent because rank 1 died, wakes it first).
+    assert re.search(rf"rank 1 \(host {re.escape(os.uname().nodename)}, pid {victim}\) "
+                     r"(stopped responding|is gone|is unreachable)", stderr), stderr
     assert "Traceback" not in stderr
 
 
@@ -108,15 +112,17 @@ def test_sigterm_to_every_rank_ends_the_job_quickly(popen_cli, tmp_path):
     assert time.monotonic() - start < 15
     assert proc.returncode == 128 + signal.SIGTERM
     assert "Traceback" not in stderr and "terminate called" not in stderr
+    _wait_gone(ranks)  # mpirun may return while a rank still writes its last lines
     logs = [(tmp_path / f"rank{rank}.log").read_text() for rank in (0, 1)]
     for text in logs:
         assert "received SIGTERM; shutting down" in text, text
     # A rank in Python when the signal lands unwinds through teardown. A rank blocked in a
     # collective cannot (gloo cannot interrupt it); the heartbeat ends it once its peer has left.
     # mpirun may kill a rank still tearing down once its peer has exited on the signal, so at
-    # least one rank (not necessarily both) gets to log the end of its teardown.
+    # least one rank (not necessarily both) gets to log the end of its teardown. A rank whose
+    # heartbeat finds its peer already gone names it and leaves on the signal too.
     assert any("process group destroyed" in text or "which left after the same signal" in text
-               for text in logs), logs
+               or "after this rank's signal; exiting" in text for text in logs), logs
     # The Deadline sentinel reports on stderr, not in the log files.
     assert any("shut down cleanly" in text for text in logs) or "MPI shutdown did not complete" in stderr
 
@@ -128,15 +134,19 @@ def test_sigint_to_mpirun_stops_every_rank(popen_cli, tmp_path):
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
     assert proc.returncode != 0
-    end = time.monotonic() + 10
-    while any(_alive(pid) for pid in ranks) and time.monotonic() < end:
-        time.sleep(0.2)
-    assert not any(_alive(pid) for pid in ranks)
+    _wait_gone(ranks)
     # mpirun forwards the signal; a rank it has not reached yet leaves through the same
     # teardown once its peer is gone. Every rank leaves cleanly, at least one on the signal.
     logs = [(tmp_path / f"rank{rank}.log").read_text() for rank in (0, 1)]
     assert all("shutting down" in text or "process group destroyed" in text for text in logs), logs
     assert any("shutting down" in text for text in logs), logs
+
+
+def _wait_gone(pids, timeout=10.0) -> None:
+    end = time.monotonic() + timeout
+    while any(_alive(pid) for pid in pids) and time.monotonic() < end:
+        time.sleep(0.2)
+    assert not any(_alive(pid) for pid in pids)
 
 
 def _alive(pid: int) -> bool:
