@@ -125,6 +125,24 @@ def load_source(source: Path, dtype: torch.dtype = torch.bfloat16):
     return model.eval(), tokenizer
 
 
+def _forget_gguf_origin(model, source: Path | str) -> None:
+    """A model read from a GGUF file carries transformers' GGUF quantizer, which refuses
+    `save_pretrained` although the weights were de-quantised on loading; drop it (and its
+    `quantization_config`) so the plain weights are written. Weights still packed in GGUF blocks
+    cannot be written as bf16: say so."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+    if quantizer is None or getattr(method, "value", method) != "gguf":
+        return
+    if getattr(quantizer, "packed_modules", None):
+        raise ConvertError("its weights stayed packed in GGUF blocks on loading; cannot write them as bf16",
+                           file=source or None)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+
+
 def save_converted(
     model,
     tokenizer,
@@ -158,6 +176,7 @@ def save_converted(
             t0 = time.perf_counter()
             _export_nvfp4(model, tmp, max_shard_size)
         else:
+            _forget_gguf_origin(model, source)
             model.to(torch.bfloat16).save_pretrained(tmp, max_shard_size=max_shard_size)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -68,6 +68,30 @@ def test_gguf_file_to_nvfp4(run_cli, tmp_path):
     assert AutoTokenizer.from_pretrained(dst)(SAMPLE).input_ids == tiny_tokenizer()(SAMPLE).input_ids
 
 
+def test_gguf_file_to_bf16_keeps_the_dequantised_weights(run_cli, tmp_path):
+    """transformers marks a model read from GGUF as quantised and refuses to save it; convert
+    writes its de-quantised weights as a plain bf16 checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    dst = tmp_path / "out"
+    out = run_cli("convert", "--from", gguf, "--to", dst, "--quant", "bf16", "--json")
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.output
+    report = json.loads(out.stdout)
+    assert report["architecture"] == "LlamaForCausalLM" and report["quantized_linears"] == 0
+    written = Checkpoint.open(dst)
+    assert written.quant is None
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf.name, dtype=torch.bfloat16)
+    saved = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.bfloat16)
+    ref_state, saved_state = reference.state_dict(), saved.state_dict()
+    assert ref_state.keys() == saved_state.keys()
+    for name, tensor in ref_state.items():
+        assert saved_state[name].dtype == torch.bfloat16 and torch.equal(saved_state[name], tensor), name
+    assert AutoTokenizer.from_pretrained(dst)(SAMPLE).input_ids == tiny_tokenizer()(SAMPLE).input_ids
+    _only_final_outputs(tmp_path, {"out", "tiny.gguf"})
+
+
 def test_existing_destination_needs_overwrite(run_cli, tmp_path):
     src = tiny_checkpoint("llama", "bf16")
     dst = tmp_path / "out"
