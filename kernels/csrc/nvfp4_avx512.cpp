@@ -1,8 +1,8 @@
 // NVFP4 x @ W.T with AVX-512: bf16 x on vdpbf16ps (AVX512-BF16), float32 x on FMA (AVX-512F),
 // and bit-exact dequantisation.
 //
-// Decoding costs shuffles, and on the CPUs this targets shuffles share execution ports with
-// the dot products, so the decoder spends one permute per 32 weights: the weights come out
+// Decoding costs shuffles, and on the CPUs this targets the permutes share execution ports
+// with the dot products, so the decoder spends one permute per 32 weights: the weights come out
 // unscaled, each block's fp8 scale multiplies its partial sum instead.
 //
 // A group of 16 blocks (256 inputs, 128 code bytes) is laid out one block per 32-bit lane: two
@@ -10,21 +10,19 @@
 // 16-bit word of V holds four codes (elements e..e+3 of its block); vpermw looks up the word's
 // low 5 bits in a 32-entry table (E2M1 as bf16, twice, so bit 4 is ignored), so V, V >> 4,
 // V >> 8 and V >> 12 decode to four vectors of 32 exact bf16 weights. All eight vectors of a
-// group map lane m to block m, so for each row of x
-//     t0 = sum over vectors 0-3 of vdpbf16ps(weights, x), t1 = over vectors 4-7  (fp32, from 0)
-//     acc = fma(t1, S, fma(t0, S, acc))                          (S: the 16 block scales)
-// and y = reduce(acc) * row_scale (two short chains of dot products keep more of them in flight
-// than one long one). A row's last blocks form a group of 16 (masked) or of 8
+// group map lane m to block m, so for each (weight row, x row) pair
+//     t = vdpbf16ps chain over the group's vectors 0..7 in order, from 0   (fp32)
+//     acc = fma(t, S, acc)                                      (S: the group's 16 block scales)
+// and y = reduce(acc) * row_scale. A row's last blocks form a group of 16 (masked) or of 8
 // (one vector per code shift, lanes 8-15 holding the blocks' second halves). x is permuted once
 // per call to the weights' order (elem() below), zero beyond in. Float32 x uses the same
 // weights widened exactly (a bf16 is the top half of its float32), two FMAs per vector.
 //
-// Up to 16 rows of x (while they fit L1; 4 rows always) each weight row is decoded in registers
-// and multiplied straight away, once per group of up to 8 rows of x (one sequential stream of
-// codes). More rows: each thread decodes 16 weight rows into an L1/L2 tile (weights and scales
-// as above) and multiplies it with every row of x, 3 x rows by 4 weight rows at a time, in
-// passes of x that fit L2. Every (weight row, x row) pair performs exactly the same operations
-// in the same order either way, so rows are batch-invariant.
+// The products are blocked: R weight rows (1, 2 or 4) meet N rows of x (1..5) at once, each
+// weight vector decoded once for the N rows and each x vector loaded once for the R rows, R x N
+// chains of dot products in flight (nvfp4_rows() says which R for which rows). Every pair
+// performs the same operations in the same order whatever R and N are, so rows are
+// batch-invariant.
 #include <utility>
 
 #include "cpu_kernels.h"
@@ -136,75 +134,33 @@ HR_AVX512 inline void group_words(const Consts& k, const uint8_t* c, const uint8
   S = lane_scales(sb, lo, hi);
 }
 
-// Weight vector `vi` of a group (width / 2 of them): the codes at shift 4 * (vi % 4) of v[vi / 4].
-template <int W>
-HR_AVX512 inline __m512i weight_vector(const Consts& k, const __m512i (&v)[W / 8], int vi) {
-  const __m512i words = v[vi / 4];
-  const int shift = 4 * (vi % 4);
-  return _mm512_permutexvar_epi16(shift ? _mm512_srli_epi16(words, shift) : words, k.table);
-}
-
-template <int W>
-HR_AVX512 inline void decode_group(const Consts& k, const uint8_t* c, const uint8_t* s, int valid,
-                                   __m512i (&o)[W / 2], __m512& S) {
-  __m512i v[W / 8];
-  group_words<W>(k, c, s, valid, v, S);
-  for (int vi = 0; vi < W / 2; ++vi) o[vi] = weight_vector<W>(k, v, vi);
-}
-
 // How decoded weight vectors meet x: bf16 x with vdpbf16ps, or float32 x with the weights
-// widened to two float vectors (low words, high words) and FMA. kUnits: 64-byte vectors a
-// decoded bf16 vector takes in a tile.
+// widened to two float vectors (low words, high words) and FMA. A vector of x is loaded once and
+// meets the weight vectors of every weight row of a block.
 struct Bf16Mode {
   using X = uint16_t;
-  static constexpr int kUnits = 1;
-  // x straight from memory into the dot product (gcc 12 otherwise passes the load through the
-  // stack on its way to the bf16 vector type)
-  static HR_AVX512BF16 inline __m512 dot(__m512 t, __m512i o, const uint16_t* x) {
-    __asm__("vdpbf16ps %2, %1, %0" : "+v"(t) : "v"(o), "m"(*reinterpret_cast<const __m512i*>(x)));
-    return t;
-  }
-  // The same at x + kOffset elements, the offset an immediate: one base register per row of x,
-  // which gcc otherwise multiplies into a register (and a spill) per row and vector.
+  using XV = __m512i;
   template <int kOffset>
-  static HR_AVX512BF16 inline __m512 dot_at(__m512 t, __m512i o, const uint16_t* x) {
-    __asm__("vdpbf16ps %c[off](%[x]), %[o], %[t]" : [t] "+v"(t) : [o] "v"(o), [x] "r"(x), [off] "i"(kOffset * 2));
+  static HR_AVX512 inline XV load(const uint16_t* x) { return _mm512_loadu_si512(x + kOffset); }
+  // register operands through asm: gcc 12 otherwise passes the vector through the stack on its
+  // way to the bf16 vector type
+  static HR_AVX512BF16 inline __m512 dot(__m512 t, __m512i w, XV x) {
+    __asm__("vdpbf16ps %[x], %[w], %[t]" : [t] "+v"(t) : [w] "v"(w), [x] "v"(x));
     return t;
-  }
-  static HR_AVX512 inline void store(__m512i o, __m512i* t) { _mm512_store_si512(t, o); }
-  // A tile unit (the stored vector) against x: the same operation as dot.
-  static HR_AVX512 inline __m512i load_x(const uint16_t* x) { return _mm512_loadu_si512(x); }
-  static HR_AVX512BF16 inline __m512 dot_unit(__m512 t, __m512i w, __m512i x) {
-    return _mm512_dpbf16_ps(t, (__m512bh)w, (__m512bh)x);
   }
 };
 
 struct Fp32Mode {
   using X = float;
-  static constexpr int kUnits = 2;
-  static HR_AVX512 inline __m512 low(__m512i o) { return _mm512_castsi512_ps(_mm512_slli_epi32(o, 16)); }
-  static HR_AVX512 inline __m512 high(__m512i o) {
-    return _mm512_castsi512_ps(_mm512_and_si512(o, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-  }
-  static HR_AVX512 inline __m512 dot(__m512 t, __m512i o, const float* x) {
-    t = _mm512_fmadd_ps(low(o), _mm512_loadu_ps(x), t);
-    return _mm512_fmadd_ps(high(o), _mm512_loadu_ps(x + 16), t);
-  }
+  struct XV {
+    __m512 lo, hi;
+  };
   template <int kOffset>
-  static HR_AVX512 inline __m512 dot_at(__m512 t, __m512i o, const float* x) {
-    const __m512 lo = low(o), hi = high(o);
-    __asm__("vfmadd231ps %c[off](%[x]), %[w], %[t]" : [t] "+v"(t) : [w] "v"(lo), [x] "r"(x), [off] "i"(kOffset * 4));
-    __asm__("vfmadd231ps %c[off](%[x]), %[w], %[t]" : [t] "+v"(t) : [w] "v"(hi), [x] "r"(x), [off] "i"(kOffset * 4 + 64));
-    return t;
-  }
-  static HR_AVX512 inline void store(__m512i o, __m512i* t) {
-    _mm512_store_ps(reinterpret_cast<float*>(t), low(o));
-    _mm512_store_ps(reinterpret_cast<float*>(t + 1), high(o));
-  }
-  // Units: the low-word floats (x + 0..15), then the high-word floats (x + 16..31), as in dot.
-  static HR_AVX512 inline __m512 load_x(const float* x) { return _mm512_loadu_ps(x); }
-  static HR_AVX512 inline __m512 dot_unit(__m512 t, __m512i w, __m512 x) {
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(w), x, t);
+  static HR_AVX512 inline XV load(const float* x) { return {_mm512_loadu_ps(x + kOffset), _mm512_loadu_ps(x + kOffset + 16)}; }
+  static HR_AVX512 inline __m512 dot(__m512 t, __m512i w, XV x) {
+    t = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), x.lo, t);
+    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))),
+                           x.hi, t);
   }
 };
 
@@ -242,222 +198,161 @@ void permute_x(const X* x, int64_t n, const Groups& L, X* xp, bool split_words) 
   });
 }
 
-// Weight vector VI of a group (from its code words `words`), times N rows of x, into t.
-template <typename M, int N, int VI>
-HR_AVX512BF16 inline void dot_vector(const Consts& k, __m512i words, const typename M::X* const (&x)[N],
-                                     __m512 (&t)[N]) {
-  constexpr int kShift = 4 * (VI % 4);
-  __m512i idx = words;
-  if constexpr (kShift != 0) idx = _mm512_srli_epi16(words, kShift);
-  const __m512i o = _mm512_permutexvar_epi16(idx, k.table);
-  for (int i = 0; i < N; ++i) t[i] = M::template dot_at<VI * 32>(t[i], o, x[i]);
-}
-
-// One half of a group: its vectors' dot products from 0, then acc[i] = fma(t, S, acc[i]).
-template <typename M, int N, int W, int H, int... U>
-HR_AVX512BF16 inline void fused_half(const Consts& k, const __m512i (&v)[W / 8], __m512 S,
-                                     const typename M::X* const (&x)[N], __m512 (&acc)[N],
-                                     std::integer_sequence<int, U...>) {
-  __m512 t[N];
-  for (int i = 0; i < N; ++i) t[i] = _mm512_setzero_ps();
-  constexpr int kHalf = W / 4;  // vectors per half
-  (dot_vector<M, N, H * kHalf + U>(k, v[(H * kHalf + U) / 4], x, t), ...);
-  for (int i = 0; i < N; ++i) acc[i] = _mm512_fmadd_ps(t[i], S, acc[i]);
-}
-
-// One group of one weight row against N rows of x: for each half of the group's vectors,
-// t = its dot products from 0, acc[i] = fma(t, S, acc[i]). Each weight vector is decoded right
-// before its dot products, so up to 8 rows of x fit the registers.
-template <typename M, int N, int W>
-HR_AVX512BF16 inline void fused_group(const Consts& k, const uint8_t* c, const uint8_t* s, int valid,
-                                      const typename M::X* x, int64_t ldx, __m512 (&acc)[N]) {
-  __m512i v[W / 8];
-  __m512 S;
-  group_words<W>(k, c, s, valid, v, S);
-  const typename M::X* rows[N];
-  for (int i = 0; i < N; ++i) rows[i] = x + i * ldx;
-  fused_half<M, N, W, 0>(k, v, S, rows, acc, std::make_integer_sequence<int, W / 4>{});
-  fused_half<M, N, W, 1>(k, v, S, rows, acc, std::make_integer_sequence<int, W / 4>{});
-}
-
-// The hardware prefetchers fall short of the memory's bandwidth on a stream this compute-heavy
-// (one core's share of it is about 15 GB/s when both stream): ask for the codes kAheadBytes ahead
-// of the group being decoded, and for the scales as far ahead in their own (8 times slower) stream.
+// The hardware prefetchers fall short of the memory's bandwidth on streams this compute-heavy:
+// each weight row asks for its codes kAheadBytes ahead of the group being decoded, and for its
+// scales as far ahead in their own (8 times slower) stream.
 constexpr int64_t kAheadBytes = 2048;
-inline void prefetch_ahead(const uint8_t* c, const uint8_t* s, int64_t g) {
-  _mm_prefetch(reinterpret_cast<const char*>(c + kAheadBytes), _MM_HINT_T0);
-  _mm_prefetch(reinterpret_cast<const char*>(c + kAheadBytes + 64), _MM_HINT_T0);
-  if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(s + kAheadBytes / 8), _MM_HINT_T0);
+
+// Where one block of R weight rows and N rows of x reads and writes.
+template <typename M>
+struct BlockArgs {
+  const uint8_t* codes;  // row r's codes; row r + q at codes + q * half
+  const uint8_t* scales;  // row r's block scales; row r + q at scales + q * nb
+  int64_t half, nb;
+  const typename M::X* x;  // permuted x row i0; row i0 + i at x + i * kp
+  int64_t kp;
+};
+
+// Weight vector VI of a group for each of R weight rows, times N rows of x, into t.
+template <typename M, int R, int N, int W, int VI>
+HR_AVX512BF16 inline __attribute__((always_inline)) void block_vector(const Consts& k, const __m512i (&v)[R][W / 8], const typename M::X* x,
+                                       int64_t kp, __m512 (&t)[R][N]) {
+  constexpr int kShift = 4 * (VI % 4);
+  __m512i o[R];
+  for (int q = 0; q < R; ++q) {
+    __m512i idx = v[q][VI / 4];
+    if constexpr (kShift != 0) idx = _mm512_srli_epi16(idx, kShift);
+    o[q] = _mm512_permutexvar_epi16(idx, k.table);
+  }
+  for (int i = 0; i < N; ++i) {
+    const auto xv = M::template load<VI * 32>(x + i * kp);
+    for (int q = 0; q < R; ++q) t[q][i] = M::dot(t[q][i], o[q], xv);
+  }
 }
 
-// y[i * out] for one weight row (codes c, scales s) and N rows of x.
-template <typename M, int N>
-HR_AVX512BF16 void fused_row(const Consts& k, const Groups& L, const uint8_t* c, const uint8_t* s, float row_scale,
-                             const typename M::X* xp, float* y, int64_t out) {
-  __m512 acc[N];
-  for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
-  const int64_t full = L.full, kp = L.kp;
-  for (int64_t g = 0; g < full; ++g) {
-    prefetch_ahead(c + g * 128, s + g * 16, g);
-    fused_group<M, N, 16>(k, c + g * 128, s + g * 16, 16, xp + g * 256, kp, acc);
+template <typename M, int R, int N, int W, int... VI>
+HR_AVX512BF16 inline __attribute__((always_inline)) void block_vectors(const Consts& k, const __m512i (&v)[R][W / 8], const typename M::X* x,
+                                        int64_t kp, __m512 (&t)[R][N], std::integer_sequence<int, VI...>) {
+  (block_vector<M, R, N, W, VI>(k, v, x, kp, t), ...);
+}
+
+// One group (W = 16 or 8 blocks, `valid` present) of R weight rows against N rows of x: for each
+// (weight row q, x row i), t = the chain of dot products over the group's vectors in order, from
+// 0; acc[q][i] = fma(t, S_q, acc[q][i]). Each x vector is loaded once for the R weight rows.
+template <typename M, int R, int N, int W>
+HR_AVX512BF16 inline __attribute__((always_inline)) void block_group(const Consts& k, const BlockArgs<M>& a, int64_t g, int valid,
+                                      __m512 (&acc)[R][N]) {
+  __m512i v[R][W / 8];
+  __m512 S[R];
+  for (int q = 0; q < R; ++q) {
+    const uint8_t* c = a.codes + q * a.half + g * 128;
+    const uint8_t* s = a.scales + q * a.nb + g * 16;
+    _mm_prefetch(reinterpret_cast<const char*>(c + kAheadBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c + kAheadBytes + 64), _MM_HINT_T0);
+    if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(s + kAheadBytes / 8), _MM_HINT_T0);
+    group_words<W>(k, c, s, valid, v[q], S[q]);
   }
+  __m512 t[R][N];
+  for (int q = 0; q < R; ++q)
+    for (int i = 0; i < N; ++i) t[q][i] = _mm512_setzero_ps();
+  block_vectors<M, R, N, W>(k, v, a.x + g * 256, a.kp, t, std::make_integer_sequence<int, W / 2>{});
+  for (int q = 0; q < R; ++q)
+    for (int i = 0; i < N; ++i) acc[q][i] = _mm512_fmadd_ps(t[q][i], S[q], acc[q][i]);
+}
+
+// Weight rows r .. r + R - 1 against x rows i0 .. i0 + N - 1 (a.codes, a.scales and a.x point at
+// them): y[i * out + q] = reduce(acc[q][i]) * row_scale[q], every pair in the one order above.
+template <typename M, int R, int N>
+HR_AVX512BF16 void block(const Consts& k, const Groups& L, const BlockArgs<M>& a, const float* row_scale, float* y,
+                         int64_t out) {
+  __m512 acc[R][N];
+  for (int q = 0; q < R; ++q)
+    for (int i = 0; i < N; ++i) acc[q][i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < L.full; ++g) block_group<M, R, N, 16>(k, a, g, 16, acc);
   if (L.tail_width == 16)
-    fused_group<M, N, 16>(k, c + full * 128, s + full * 16, static_cast<int>(L.tail_blocks), xp + full * 256, kp, acc);
+    block_group<M, R, N, 16>(k, a, L.full, static_cast<int>(L.tail_blocks), acc);
   else if (L.tail_width == 8)
-    fused_group<M, N, 8>(k, c + full * 128, s + full * 16, static_cast<int>(L.tail_blocks), xp + full * 256, kp, acc);
-  for (int i = 0; i < N; ++i) y[i * out] = _mm512_reduce_add_ps(acc[i]) * row_scale;
+    block_group<M, R, N, 8>(k, a, L.full, static_cast<int>(L.tail_blocks), acc);
+  __m512 sums[R * N];
+  for (int q = 0; q < R; ++q)
+    for (int i = 0; i < N; ++i) sums[q * N + i] = acc[q][i];
+  float res[R * N];
+  reduce_all<R * N>(sums, res);
+  for (int q = 0; q < R; ++q)
+    for (int i = 0; i < N; ++i) y[i * out + q] = res[q * N + i] * row_scale[q];
 }
 
-// Rows r0 .. r1 - 1 against the n (at most kFusedRows) rows of x, in groups of up to 8 rows of x
-// of near-equal size; a weight row is decoded once per group.
-template <typename M>
-HR_AVX512 void fused_rows(const typename M::X* xp, int64_t n, const Groups& L, const uint8_t* codes,
-                          const uint8_t* scales, const float* row_scale, int64_t r0, int64_t r1, float* y, int64_t out) {
-  const Consts k;
-  const int64_t groups = (n + 7) / 8, half = L.in / 2, nb = L.in / kGroup;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* c = codes + r * half;
-    const uint8_t* s = scales + r * nb;
-    for (int64_t g = 0, i0 = 0; g < groups; ++g) {
-      const int64_t m = (n - i0 + (groups - g) - 1) / (groups - g);
-      const typename M::X* xs = xp + i0 * L.kp;
-      float* ys = y + i0 * out + r;
-      switch (m) {
-        case 1: fused_row<M, 1>(k, L, c, s, row_scale[r], xs, ys, out); break;
-        case 2: fused_row<M, 2>(k, L, c, s, row_scale[r], xs, ys, out); break;
-        case 3: fused_row<M, 3>(k, L, c, s, row_scale[r], xs, ys, out); break;
-        case 4: fused_row<M, 4>(k, L, c, s, row_scale[r], xs, ys, out); break;
-        case 5: fused_row<M, 5>(k, L, c, s, row_scale[r], xs, ys, out); break;
-        case 6: fused_row<M, 6>(k, L, c, s, row_scale[r], xs, ys, out); break;
-        case 7: fused_row<M, 7>(k, L, c, s, row_scale[r], xs, ys, out); break;
-        default: fused_row<M, 8>(k, L, c, s, row_scale[r], xs, ys, out); break;
-      }
-      i0 += m;
+constexpr int kMaxN = 5;  // rows of x per block: R x N accumulators and chains stay in registers
+
+
+template <typename M, int R>
+void block_n(int n, const Consts& k, const Groups& L, const BlockArgs<M>& a, const float* row_scale, float* y,
+             int64_t out) {
+  if constexpr (R == 4) {
+    switch (n) {
+      case 1: block<M, R, 1>(k, L, a, row_scale, y, out); return;
+      case 2: block<M, R, 2>(k, L, a, row_scale, y, out); return;
+      default: block<M, R, 3>(k, L, a, row_scale, y, out); return;
     }
   }
-}
-
-// A tile row: per group, its decoded vectors (kUnits each) then its scales, 64-byte vectors.
-template <typename M>
-int64_t tile_row_vectors(const Groups& L) {
-  return L.full * (8 * M::kUnits + 1) + (L.tail_width ? L.tail_width / 2 * M::kUnits + 1 : 0);
-}
-
-template <typename M, int W>
-HR_AVX512 inline __m512i* tile_group(const Consts& k, const uint8_t* c, const uint8_t* s, int valid, __m512i* t) {
-  __m512i o[W / 2];
-  __m512 S;
-  _mm_prefetch(reinterpret_cast<const char*>(c + 1024), _MM_HINT_T0);
-  decode_group<W>(k, c, s, valid, o, S);
-  for (int v = 0; v < W / 2; ++v) M::store(o[v], t + v * M::kUnits);
-  _mm512_store_ps(reinterpret_cast<float*>(t + W / 2 * M::kUnits), S);
-  return t + W / 2 * M::kUnits + 1;
-}
-
-template <typename M>
-HR_AVX512 void decode_tile(const Groups& L, const uint8_t* codes, const uint8_t* scales, int64_t r, int64_t rows,
-                           __m512i* tile) {
-  const int64_t half = L.in / 2, nb = L.in / kGroup, stride = tile_row_vectors<M>(L);
-  const Consts k;
-  for (int64_t q = 0; q < rows; ++q) {
-    const uint8_t* c = codes + (r + q) * half;
-    const uint8_t* s = scales + (r + q) * nb;
-    __m512i* t = tile + q * stride;
-    for (int64_t g = 0; g < L.full; ++g) t = tile_group<M, 16>(k, c + g * 128, s + g * 16, 16, t);
-    const int64_t g = L.full;
-    if (L.tail_width == 16)
-      tile_group<M, 16>(k, c + g * 128, s + g * 16, L.valid(g), t);
-    else if (L.tail_width == 8)
-      tile_group<M, 8>(k, c + g * 128, s + g * 16, L.valid(g), t);
+  switch (n) {
+    case 1: block<M, R, 1>(k, L, a, row_scale, y, out); break;
+    case 2: block<M, R, 2>(k, L, a, row_scale, y, out); break;
+    case 3: block<M, R, 3>(k, L, a, row_scale, y, out); break;
+    case 4: block<M, R, 4>(k, L, a, row_scale, y, out); break;
+    default: block<M, R, 5>(k, L, a, row_scale, y, out); break;
   }
 }
 
-// R tile rows against G rows of x: the same operations, in the same order, as fused_rows.
-template <typename M, int R, int G>
-HR_AVX512BF16 void tile_block(const __m512i* tile, int64_t stride, const Groups& L, const typename M::X* x,
-                              float (&res)[R][G]) {
-  __m512 acc[R][G];
-  for (int q = 0; q < R; ++q)
-    for (int i = 0; i < G; ++i) acc[q][i] = _mm512_setzero_ps();
-  const __m512i* t = tile;
-  const int64_t groups = L.count(), full = L.full, kp = L.kp;
-  const int tail_vectors = static_cast<int>(L.tail_width / 2);
-  for (int64_t g = 0; g < groups; ++g) {
-    const int vectors = g < full ? 8 : tail_vectors;
-    const typename M::X* xg = x + g * 256;
-    for (int h = 0; h < 2; ++h) {  // the group's halves, each summed from 0 then scaled in
-      __m512 part[R][G];
-      for (int q = 0; q < R; ++q)
-        for (int i = 0; i < G; ++i) part[q][i] = _mm512_setzero_ps();
-      for (int v = h * vectors / 2; v < (h + 1) * vectors / 2; ++v) {
-        for (int u = 0; u < M::kUnits; ++u) {
-          __m512i w[R];
-          for (int q = 0; q < R; ++q) w[q] = _mm512_load_si512(t + q * stride + v * M::kUnits + u);
-          for (int i = 0; i < G; ++i) {
-            const auto xv = M::load_x(xg + i * kp + v * 32 + u * 16);
-            for (int q = 0; q < R; ++q) part[q][i] = M::dot_unit(part[q][i], w[q], xv);
-          }
-        }
-      }
-      for (int q = 0; q < R; ++q) {
-        const __m512 S = _mm512_load_ps(reinterpret_cast<const float*>(t + q * stride + vectors * M::kUnits));
-        for (int i = 0; i < G; ++i) acc[q][i] = _mm512_fmadd_ps(part[q][i], S, acc[q][i]);
-      }
-    }
-    t += vectors * M::kUnits + 1;
-  }
-  for (int q = 0; q < R; ++q)
-    for (int i = 0; i < G; ++i) res[q][i] = _mm512_reduce_add_ps(acc[q][i]);
-}
+// Every (weight row, x row) pair runs block()'s operations in block()'s order, whatever the
+// blocking: each row of y has the bits of the same row computed alone, for any n.
+//
+// Blocking (measured on a 2-core Zen 4, both cores streaming): rows of x are split into pieces of
+// at most kMaxN, as even as possible (9 rows: 5 + 4), and each piece meets the weights R rows at a
+// time, each vector of x loaded once for the R rows. Short weight rows (four rows' codes within
+// kNearBytes) take R = 4 for pieces of up to 3 rows of x and R = 2 beyond: four short rows side by
+// side still read as one stream, and more chains of dot products are in flight. Long rows read
+// side by side stream slower, so one or two rows of x take one weight row at a time (a single
+// stream, with enough groups per row to keep the chains busy) and more take R = 2. A block of
+// rows stays in L1 from one piece to the next. Rows of x are taken in passes that fit L2, so a
+// prefill chunk streams the weights once per pass.
+constexpr int64_t kNearBytes = 2048;
 
-template <typename M, int R, int G>
-void tile_times_x(const __m512i* tile, int64_t stride, const Groups& L, const typename M::X* x, int64_t n,
-                  int64_t r, const float* row_scale, float* y, int64_t out) {
-  int64_t i0 = 0;
-  for (; i0 + G <= n; i0 += G) {
-    float res[R][G];
-    tile_block<M, R, G>(tile, stride, L, x + i0 * L.kp, res);
-    for (int q = 0; q < R; ++q)
-      for (int i = 0; i < G; ++i) y[(i0 + i) * out + r + q] = res[q][i] * row_scale[r + q];
-  }
-  if constexpr (G > 1) {
-    if (i0 < n) tile_times_x<M, R, G - 1>(tile, stride, L, x + i0 * L.kp, n - i0, r, row_scale, y + i0 * out, out);
-  }
+inline int rows_per_block(int64_t half, int64_t m, int piece) {
+  if (4 * half <= kNearBytes) return piece <= 3 ? 4 : 2;
+  return m <= 2 ? 1 : 2;
 }
-
-constexpr int64_t kFusedRows = 16;  // rows of x up to which weights are decoded in registers
-constexpr int64_t kFusedBytes = 32 << 10;  // ... while those rows of x fit L1
-constexpr int64_t kTileRows = 16;
 
 template <typename M>
 void nvfp4_rows(const typename M::X* xp, int64_t n, const Groups& L, const uint8_t* codes, const uint8_t* scales,
                 const float* row_scale, int64_t out, float* y) {
-  const int64_t in = L.in;
-  int64_t grain = grain_rows(in / 2 + in / kGroup);
-  const int64_t x_bytes = n * L.kp * static_cast<int64_t>(sizeof(typename M::X));
-  if (n <= 4 || (n <= kFusedRows && x_bytes <= kFusedBytes)) {
-    at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
-      fused_rows<M>(xp, n, L, codes, scales, row_scale, r0, r1, y, out);
-    });
-    return;
-  }
-  grain = (grain + kTileRows - 1) / kTileRows * kTileRows;
-  const int64_t stride = tile_row_vectors<M>(L);
+  const int64_t in = L.in, half = in / 2, nb = in / kGroup;
+  const int64_t grain = std::max<int64_t>(4, grain_rows(half + nb) / 4 * 4);
   const int64_t pass = x_rows_per_pass(L.kp * static_cast<int64_t>(sizeof(typename M::X)));
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
-    Aligned<__m512i> tile(kTileRows * stride);
-    for (int64_t r = r0; r < r1; r += kTileRows) {
-      const int64_t rows = std::min(kTileRows, r1 - r);
-      decode_tile<M>(L, codes, scales, r, rows, tile.data());
-      for (int64_t i0 = 0; i0 < n; i0 += pass) {
-        const int64_t m = std::min(pass, n - i0);
-        const typename M::X* xs = xp + i0 * L.kp;
-        float* ys = y + i0 * out;
-        int64_t q = 0;
-        for (; q + 4 <= rows; q += 4)
-          tile_times_x<M, 4, 3>(tile.data() + q * stride, stride, L, xs, m, r + q, row_scale, ys, out);
-        for (; q < rows; ++q)
-          tile_times_x<M, 1, 4>(tile.data() + q * stride, stride, L, xs, m, r + q, row_scale, ys, out);
+    const Consts k;
+    for (int64_t p0 = 0; p0 < n; p0 += pass) {
+      const int64_t m = std::min(pass, n - p0);
+      const int64_t pieces = (m + kMaxN - 1) / kMaxN;
+      for (int64_t r = r0; r < r1; r += 4) {
+        const int64_t here = std::min<int64_t>(4, r1 - r);
+        for (int64_t piece = 0, i0 = p0; piece < pieces; ++piece) {
+          const int size = static_cast<int>((p0 + m - i0 + (pieces - piece) - 1) / (pieces - piece));
+          const int want = rows_per_block(half, m, size);
+          for (int64_t q = 0; q < here;) {
+            const int64_t R = std::min<int64_t>(want, here - q) >= 4 ? 4 : std::min<int64_t>(want, here - q) >= 2 ? 2 : 1;
+            const BlockArgs<M> a{codes + (r + q) * half, scales + (r + q) * nb, half, nb, xp + i0 * L.kp, L.kp};
+            float* ys = y + i0 * out + r + q;
+            if (R == 4)
+              block_n<M, 4>(size, k, L, a, row_scale + r + q, ys, out);
+            else if (R == 2)
+              block_n<M, 2>(size, k, L, a, row_scale + r + q, ys, out);
+            else
+              block_n<M, 1>(size, k, L, a, row_scale + r + q, ys, out);
+            q += R;
+          }
+          i0 += size;
+        }
       }
     }
   });
