@@ -65,17 +65,10 @@ alignas(64) constexpr int32_t kEvenDwords[16] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 
 alignas(64) constexpr int32_t kOddDwords[16] = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
 alignas(64) constexpr int32_t kHalves8[16] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
 
-// No byte with a zero exponent (fp8 subnormal or zero) and no sign bit: the scales convert by
-// moving bits. (0: not plain.)
-inline bool plain_scales(uint64_t q) {  // usual: ModelOpt's block scales are positive normals
-  if (q == 0) return false;
-  const uint64_t e = q & 0x7878787878787878ull;
-  return ((e - 0x0101010101010101ull) & ~e & 0x8080808080808080ull) == 0 && (q & 0x8080808080808080ull) == 0;
-}
-
-// 16 fp8 e4m3 values (one per dword of d) -> float, exact, no denormal arithmetic: normal
-// numbers by moving the bits into float32 position, subnormals as m * 2^-9.
-HR_AVX512 inline __m512 fp8_to_float(__m512i d) {
+// 16 fp8 e4m3 values (one per dword of d) -> float, exact, without denormal arithmetic (for when
+// the caller has denormals treated as zero): normal numbers by moving the bits into float32
+// position, subnormals as m * 2^-9.
+HR_AVX512 inline __m512 fp8_to_float_no_denormals(__m512i d) {
   const __m512i mag = _mm512_and_si512(d, _mm512_set1_epi32(0x7F));
   const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23));
   const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0f / 512));
@@ -85,21 +78,35 @@ HR_AVX512 inline __m512 fp8_to_float(__m512i d) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(v), sign));
 }
 
-// 16 scale bytes (lane l's block scale in byte l) -> 16 floats.
-HR_AVX512 inline __m512 lane_scales(__m128i b, uint64_t lo, uint64_t hi) {
-  const __m512i d = _mm512_cvtepu8_epi32(b);
-  if (__builtin_expect(plain_scales(lo) && plain_scales(hi), 1))
-    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(d, 20), _mm512_set1_epi32(120 << 23)));
-  return fp8_to_float(d);
+// The same in five operations and no branch: the magnitude's 7 bits moved to float32 bits
+// 20-26 make 2^-120 times its value, for normal e4m3 numbers (a float32 exponent of 1-15) and
+// subnormal ones (a float32 denormal, m * 2^-129) alike, so one exact multiplication by 2^120
+// finishes it; the sign bit goes to bit 31.
+HR_AVX512 inline __m512 fp8_to_float(__m512i d) {
+  const __m512i bits = _mm512_slli_epi32(_mm512_and_si512(d, _mm512_set1_epi32(0x7F)), 20);
+  const __m512 mag = _mm512_mul_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(0x1p120f));
+  // (mag) | (d << 24 & sign bit)
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(_mm512_castps_si512(mag), _mm512_slli_epi32(d, 24),
+                                                       _mm512_set1_epi32(static_cast<int>(0x80000000u)), 0xF8));
 }
 
-// The decoder's constant vectors, loaded once per row range.
+// Whether this thread treats denormal inputs as zero (MXCSR DAZ), which fp8_to_float relies on not.
+inline bool denormals_are_zero() { return (_mm_getcsr() & 0x0040) != 0; }
+
+// The decoder's constant vectors, loaded once per row range, and how it converts scales.
 struct Consts {
   __m512i table, even, odd, halves8;
+  bool daz;
   HR_AVX512 Consts()
       : table(_mm512_load_si512(kE2M1Bf16x2)), even(_mm512_load_si512(kEvenDwords)),
-        odd(_mm512_load_si512(kOddDwords)), halves8(_mm512_load_si512(kHalves8)) {}
+        odd(_mm512_load_si512(kOddDwords)), halves8(_mm512_load_si512(kHalves8)), daz(denormals_are_zero()) {}
 };
+
+// 16 scale bytes (lane l's block scale in byte l) -> 16 floats.
+HR_AVX512 inline __m512 lane_scales(const Consts& k, __m128i b) {
+  const __m512i d = _mm512_cvtepu8_epi32(b);
+  return __builtin_expect(k.daz, 0) ? fp8_to_float_no_denormals(d) : fp8_to_float(d);
+}
 
 // One group: `width` 16 or 8 blocks, `valid` of them present -> its code words, one block per
 // dword lane (width 16: v[0] the blocks' bytes 0-3, v[1] bytes 4-7; width 8: v[0]), and the
@@ -108,16 +115,13 @@ template <int W>
 HR_AVX512 inline void group_words(const Consts& k, const uint8_t* c, const uint8_t* s, int valid,
                                   __m512i (&v)[W / 8], __m512& S) {
   __m128i sb;
-  uint64_t lo = 0, hi = 0;
   if constexpr (W == 16) {
     __m512i a, b;
     if (valid == 16) {
       a = _mm512_loadu_si512(c);
       b = _mm512_loadu_si512(c + 64);
       sb = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
-      std::memcpy(&lo, s, 8);
-      std::memcpy(&hi, s + 8, 8);
-    } else {  // missing blocks: codes 0 and scale 0 (not plain: the exact conversion)
+    } else {  // missing blocks: codes 0 and scale 0
       a = _mm512_loadu_si512(c);
       b = _mm512_maskz_loadu_epi8((1ull << (8 * (valid - 8))) - 1, c + 64);
       sb = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << valid) - 1), s);
@@ -128,10 +132,9 @@ HR_AVX512 inline void group_words(const Consts& k, const uint8_t* c, const uint8
     const __m512i a = valid == 8 ? _mm512_loadu_si512(c) : _mm512_maskz_loadu_epi8((1ull << (8 * valid)) - 1, c);
     const __m128i s8 = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << valid) - 1), s);
     sb = _mm_unpacklo_epi64(s8, s8);
-    if (valid == 8) std::memcpy(&lo, s, 8), hi = lo;
     v[0] = _mm512_permutexvar_epi32(k.halves8, a);
   }
-  S = lane_scales(sb, lo, hi);
+  S = lane_scales(k, sb);
 }
 
 // How decoded weight vectors meet x: bf16 x with vdpbf16ps, or float32 x with the weights
@@ -288,13 +291,6 @@ constexpr int kMaxN = 5;  // rows of x per block: R x N accumulators and chains 
 template <typename M, int R>
 void block_n(int n, const Consts& k, const Groups& L, const BlockArgs<M>& a, const float* row_scale, float* y,
              int64_t out) {
-  if constexpr (R == 4) {
-    switch (n) {
-      case 1: block<M, R, 1>(k, L, a, row_scale, y, out); return;
-      case 2: block<M, R, 2>(k, L, a, row_scale, y, out); return;
-      default: block<M, R, 3>(k, L, a, row_scale, y, out); return;
-    }
-  }
   switch (n) {
     case 1: block<M, R, 1>(k, L, a, row_scale, y, out); break;
     case 2: block<M, R, 2>(k, L, a, row_scale, y, out); break;
@@ -310,8 +306,8 @@ void block_n(int n, const Consts& k, const Groups& L, const BlockArgs<M>& a, con
 // Blocking (measured on a 2-core Zen 4, both cores streaming): rows of x are split into pieces of
 // at most kMaxN, as even as possible (9 rows: 5 + 4), and each piece meets the weights R rows at a
 // time, each vector of x loaded once for the R rows. Short weight rows (four rows' codes within
-// kNearBytes) take R = 4 for pieces of up to 3 rows of x and R = 2 beyond: four short rows side by
-// side still read as one stream, and more chains of dot products are in flight. Long rows read
+// kNearBytes) take R = 4 for one row of x and R = 2 for more: four short rows side by side still
+// read as one stream, and four chains of dot products are in flight. Long rows read
 // side by side stream slower, so one or two rows of x take one weight row at a time (a single
 // stream, with enough groups per row to keep the chains busy) and more take R = 2. A block of
 // rows stays in L1 from one piece to the next. Rows of x are taken in passes that fit L2, so a
@@ -319,7 +315,7 @@ void block_n(int n, const Consts& k, const Groups& L, const BlockArgs<M>& a, con
 constexpr int64_t kNearBytes = 2048;
 
 inline int rows_per_block(int64_t half, int64_t m, int piece) {
-  if (4 * half <= kNearBytes) return piece <= 3 ? 4 : 2;
+  if (4 * half <= kNearBytes) return m == 1 ? 4 : 2;
   return m <= 2 ? 1 : 2;
 }
 
@@ -343,8 +339,8 @@ void nvfp4_rows(const typename M::X* xp, int64_t n, const Groups& L, const uint8
             const int64_t R = std::min<int64_t>(want, here - q) >= 4 ? 4 : std::min<int64_t>(want, here - q) >= 2 ? 2 : 1;
             const BlockArgs<M> a{codes + (r + q) * half, scales + (r + q) * nb, half, nb, xp + i0 * L.kp, L.kp};
             float* ys = y + i0 * out + r + q;
-            if (R == 4)
-              block_n<M, 4>(size, k, L, a, row_scale + r + q, ys, out);
+            if (R == 4)  // one row of x
+              block<M, 4, 1>(k, L, a, row_scale + r + q, ys, out);
             else if (R == 2)
               block_n<M, 2>(size, k, L, a, row_scale + r + q, ys, out);
             else
@@ -359,7 +355,7 @@ void nvfp4_rows(const typename M::X* xp, int64_t n, const Groups& L, const uint8
 }
 
 HR_AVX512 inline __m512 fp8x16_to_float(const uint8_t* s, __mmask16 valid) {
-  return fp8_to_float(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, s)));
+  return fp8_to_float_no_denormals(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(valid, s)));
 }
 
 HR_AVX512 void row_scales_avx512(const uint8_t* s, int64_t nblocks, float* out) {
