@@ -41,7 +41,7 @@ class Projection:
     block_scale: torch.Tensor | None = None  # float8_e4m3fn [out, in / 16]
     row_scale: torch.Tensor | None = None  # float32 [out]
     bias: torch.Tensor | None = None  # float32 [out]
-    bf16_x: bool = False  # a bf16 weight multiplies x rounded to bf16 (the kernel's vdpbf16ps path)
+    bf16_x: bool = False  # a bf16 or NVFP4 weight multiplies x rounded to bf16 (the kernels' vdpbf16ps paths)
 
     def __post_init__(self):
         if (self.weight is None) == (self.codes is None):
@@ -61,7 +61,6 @@ class Projection:
                                  "float32 row_scale [out]")
             self.codes, self.block_scale = self.codes.contiguous(), self.block_scale.contiguous()
             self.row_scale = self.row_scale.float().contiguous()
-            self.bf16_x = False
         if self.bias is not None:
             self.bias = self.bias.float().contiguous()
             if self.bias.shape != (self.out_features,):
@@ -90,7 +89,7 @@ class Projection:
         if self.nvfp4:
             scales = self.block_scale.view(torch.uint8).index_select(0, rows).view(torch.float8_e4m3fn)
             return Projection(codes=pick(self.codes), block_scale=scales.contiguous(), row_scale=pick(self.row_scale),
-                              bias=pick(self.bias))
+                              bias=pick(self.bias), bf16_x=self.bf16_x)
         return Projection(weight=pick(self.weight), bias=pick(self.bias), bf16_x=self.bf16_x)
 
 
@@ -229,7 +228,8 @@ def project(x: torch.Tensor, p: Projection) -> torch.Tensor:
     lib = cpu_ext.ops()
     if lib is not None:
         if p.nvfp4:
-            y = lib.nvfp4_linear(x.contiguous(), p.codes, p.block_scale.view(torch.uint8), p.row_scale)
+            xs = (x.bfloat16() if p.bf16_x else x).contiguous()
+            y = lib.nvfp4_linear(xs, p.codes, p.block_scale.view(torch.uint8), p.row_scale)
         else:
             y = lib.dense_linear((x.bfloat16() if p.bf16_x else x).contiguous(), p.weight)
     else:

@@ -13,8 +13,9 @@
 //   set_norms(layer, input_norm f32 [hidden], post_norm f32 [hidden], qk_norm f32 [heads + kv_heads, head_dim]?)
 //   set_proj(layer, which, w?, codes?, block_scale?, row_scale?, bias?, bf16_x)
 //       which: 0 qkv, 1 o, 2 gate_up (gate rows, then up rows), 3 down; layer -1 sets head number `which`
-//       dense: w [out, in] bf16 | f32 (bf16_x: x is rounded to bf16 first); NVFP4: codes u8 [out, in/2],
-//       block_scale u8 (e4m3 bits) [out, in/16], row_scale f32 [out]; bias f32 [out]
+//       dense: w [out, in] bf16 | f32; NVFP4: codes u8 [out, in/2],
+//       block_scale u8 (e4m3 bits) [out, in/16], row_scale f32 [out]; bias f32 [out]; bf16_x: x is
+//       rounded to bf16 first (bf16 or NVFP4 weights: the kernels' bf16 dot products)
 //   forward(ids [n], slots [n], index [n], positions [n], mask [n, W] bool?, head) -> logits f32 [n, out]
 //       row r embeds ids[r], writes its keys and values at cache index index[r] of slot slots[r], is
 //       rotated by positions[r], and attends to indices 0 .. index[r] of its slot (those where
@@ -289,8 +290,8 @@ struct Proj {
 
   // x f32 [n, in] contiguous -> f32 [n, out] contiguous, bias added
   Tensor operator()(const Tensor& x) const {
-    Tensor y = codes.defined() ? nvfp4_op().call(x, codes, scales, row_scale, 0)
-                               : dense_op().call(bf16_x ? to_bf16(x) : x, w, 0);
+    const Tensor& xs = bf16_x ? to_bf16(x) : x;
+    Tensor y = codes.defined() ? nvfp4_op().call(xs, codes, scales, row_scale, 0) : dense_op().call(xs, w, 0);
     if (y.scalar_type() != at::kFloat) y = y.to(at::kFloat);
     y = y.contiguous();
     if (bias.defined()) {
@@ -324,6 +325,7 @@ Proj make_proj(const std::optional<Tensor>& w, const std::optional<Tensor>& code
                 p.row_scale.sizes());
     p.out = p.codes.size(0);
     p.in = p.codes.size(1) * 2;
+    p.bf16_x = bf16_x;
   } else {
     TORCH_CHECK(w.has_value(), "a projection needs a dense w or NVFP4 codes");
     TORCH_CHECK(w->scalar_type() == at::kBFloat16 || w->scalar_type() == at::kFloat, "w must be bf16 or f32");

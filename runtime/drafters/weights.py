@@ -116,11 +116,13 @@ def kind(weights: StepWeights) -> str:
 
 
 def with_bf16_activations(weights: StepWeights) -> StepWeights:
-    """Let dense bf16 weights multiply bf16-rounded activations where the CPU has bf16 dot
-    products (twice the multiply rate of widening the weights; the drafts change slightly)."""
+    """In a bf16 drafter, let bf16 and NVFP4 weights multiply bf16-rounded activations where the
+    CPU has bf16 dot products (twice the multiply rate of widening the weights; the drafts change
+    slightly, the output stays the target's). A float32 drafter keeps float32 activations."""
     able = bool(cpu_ext.features() & (cpu_ext.FEATURE_AVX512_BF16 | cpu_ext.FEATURE_AMX))
+    bf16 = weights.embed.dtype == torch.bfloat16
     for p in _projections(weights):
-        p.bf16_x = able and p.weight is not None and p.weight.dtype == torch.bfloat16
+        p.bf16_x = able and bf16 and (p.nvfp4 or p.weight.dtype == torch.bfloat16)
     return weights
 
 
