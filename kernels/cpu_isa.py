@@ -234,7 +234,7 @@ def _check(lib, isa: Isa, torch) -> str | None:
         w = torch.randn(out, inp, generator=g)
         q = nvfp4.quantize(w)
         row_scale = q.global_scale.expand(out).contiguous()
-        for n in (1, 6):  # decoded in registers; decoded into a tile
+        for n in (1, 6):  # one row of x; several (blocked, or through tiles)
             for dtype in dtypes:
                 x = torch.randn(n, inp, generator=g).to(dtype)
                 y = lib.nvfp4_linear(x, q.codes, q.block_scale.view(torch.uint8), row_scale, isa.path)
