@@ -126,6 +126,10 @@ class LLMEngine:
         self.speculation.measured_step(batch.rows, seconds)
         self._postprocess(scheduled, rounds, spans, logits, seconds)
         self.steps += 1
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step %d: %d sequences, %d rows (%d of them draft rows), forward %.1f ms, step %.1f ms",
+                      self.steps, len(scheduled), batch.rows, sum(r.plan.k for r in rounds.values()),
+                      seconds * 1e3, (time.perf_counter() - begin) * 1e3)
 
     def _batch(self, scheduled: list[Scheduled], rounds: dict) -> tuple[ForwardBatch, list]:
         """One ForwardBatch: each sequence's pending positions, then its round's draft rows (a
