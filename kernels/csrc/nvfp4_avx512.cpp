@@ -159,7 +159,9 @@ struct Fp32Mode {
     __m512 lo, hi;
   };
   template <int kOffset>
-  static HR_AVX512 inline XV load(const float* x) { return {_mm512_loadu_ps(x + kOffset), _mm512_loadu_ps(x + kOffset + 16)}; }
+  static HR_AVX512 inline XV load(const float* x) {
+    return {_mm512_loadu_ps(x + kOffset), _mm512_loadu_ps(x + kOffset + 16)};
+  }
   static HR_AVX512 inline __m512 dot(__m512 t, __m512i w, XV x) {
     t = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), x.lo, t);
     return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)))),
@@ -206,6 +208,10 @@ void permute_x(const X* x, int64_t n, const Groups& L, X* xp, bool split_words) 
 // scales as far ahead in their own (8 times slower) stream.
 constexpr int64_t kAheadBytes = 2048;
 
+// Every part of a block's group loop is inlined into the block: a call would pass the R x N
+// accumulators through memory.
+#define HR_ALWAYS_INLINE inline __attribute__((always_inline))
+
 // Where one block of R weight rows and N rows of x reads and writes.
 template <typename M>
 struct BlockArgs {
@@ -218,8 +224,8 @@ struct BlockArgs {
 
 // Weight vector VI of a group for each of R weight rows, times N rows of x, into t.
 template <typename M, int R, int N, int W, int VI>
-HR_AVX512BF16 inline __attribute__((always_inline)) void block_vector(const Consts& k, const __m512i (&v)[R][W / 8], const typename M::X* x,
-                                       int64_t kp, __m512 (&t)[R][N]) {
+HR_AVX512BF16 HR_ALWAYS_INLINE void block_vector(const Consts& k, const __m512i (&v)[R][W / 8], const typename M::X* x,
+                                                 int64_t kp, __m512 (&t)[R][N]) {
   constexpr int kShift = 4 * (VI % 4);
   __m512i o[R];
   for (int q = 0; q < R; ++q) {
@@ -234,8 +240,8 @@ HR_AVX512BF16 inline __attribute__((always_inline)) void block_vector(const Cons
 }
 
 template <typename M, int R, int N, int W, int... VI>
-HR_AVX512BF16 inline __attribute__((always_inline)) void block_vectors(const Consts& k, const __m512i (&v)[R][W / 8], const typename M::X* x,
-                                        int64_t kp, __m512 (&t)[R][N], std::integer_sequence<int, VI...>) {
+HR_AVX512BF16 HR_ALWAYS_INLINE void block_vectors(const Consts& k, const __m512i (&v)[R][W / 8], const typename M::X* x,
+                                                  int64_t kp, __m512 (&t)[R][N], std::integer_sequence<int, VI...>) {
   (block_vector<M, R, N, W, VI>(k, v, x, kp, t), ...);
 }
 
@@ -243,8 +249,8 @@ HR_AVX512BF16 inline __attribute__((always_inline)) void block_vectors(const Con
 // (weight row q, x row i), t = the chain of dot products over the group's vectors in order, from
 // 0; acc[q][i] = fma(t, S_q, acc[q][i]). Each x vector is loaded once for the R weight rows.
 template <typename M, int R, int N, int W>
-HR_AVX512BF16 inline __attribute__((always_inline)) void block_group(const Consts& k, const BlockArgs<M>& a, int64_t g, int valid,
-                                      __m512 (&acc)[R][N]) {
+HR_AVX512BF16 HR_ALWAYS_INLINE void block_group(const Consts& k, const BlockArgs<M>& a, int64_t g, int valid,
+                                                __m512 (&acc)[R][N]) {
   __m512i v[R][W / 8];
   __m512 S[R];
   for (int q = 0; q < R; ++q) {
@@ -287,7 +293,6 @@ HR_AVX512BF16 void block(const Consts& k, const Groups& L, const BlockArgs<M>& a
 
 constexpr int kMaxN = 5;  // rows of x per block: R x N accumulators and chains stay in registers
 
-
 template <typename M, int R>
 void block_n(int n, const Consts& k, const Groups& L, const BlockArgs<M>& a, const float* row_scale, float* y,
              int64_t out) {
@@ -314,7 +319,7 @@ void block_n(int n, const Consts& k, const Groups& L, const BlockArgs<M>& a, con
 // prefill chunk streams the weights once per pass.
 constexpr int64_t kNearBytes = 2048;
 
-inline int rows_per_block(int64_t half, int64_t m, int piece) {
+inline int rows_per_block(int64_t half, int64_t m) {
   if (4 * half <= kNearBytes) return m == 1 ? 4 : 2;
   return m <= 2 ? 1 : 2;
 }
@@ -330,13 +335,13 @@ void nvfp4_rows(const typename M::X* xp, int64_t n, const Groups& L, const uint8
     for (int64_t p0 = 0; p0 < n; p0 += pass) {
       const int64_t m = std::min(pass, n - p0);
       const int64_t pieces = (m + kMaxN - 1) / kMaxN;
+      const int want = rows_per_block(half, m);
       for (int64_t r = r0; r < r1; r += 4) {
         const int64_t here = std::min<int64_t>(4, r1 - r);
         for (int64_t piece = 0, i0 = p0; piece < pieces; ++piece) {
           const int size = static_cast<int>((p0 + m - i0 + (pieces - piece) - 1) / (pieces - piece));
-          const int want = rows_per_block(half, m, size);
           for (int64_t q = 0; q < here;) {
-            const int64_t R = std::min<int64_t>(want, here - q) >= 4 ? 4 : std::min<int64_t>(want, here - q) >= 2 ? 2 : 1;
+            const int64_t fit = std::min<int64_t>(want, here - q), R = fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
             const BlockArgs<M> a{codes + (r + q) * half, scales + (r + q) * nb, half, nb, xp + i0 * L.kp, L.kp};
             float* ys = y + i0 * out + r + q;
             if (R == 4)  // one row of x
