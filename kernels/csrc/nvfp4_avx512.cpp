@@ -332,6 +332,11 @@ void nvfp4_rows(const typename M::X* xp, int64_t n, const Groups& L, const uint8
   const int64_t pass = x_rows_per_pass(L.kp * static_cast<int64_t>(sizeof(typename M::X)));
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
     const Consts k;
+    // the first kAheadBytes of the range, which the prefetches in the group loop run ahead of
+    for (int64_t b = 0; b < std::min(kAheadBytes, (r1 - r0) * half); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(codes + r0 * half + b), _MM_HINT_T0);
+    for (int64_t b = 0; b < std::min(kAheadBytes / 8, (r1 - r0) * nb); b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(scales + r0 * nb + b), _MM_HINT_T0);
     for (int64_t p0 = 0; p0 < n; p0 += pass) {
       const int64_t m = std::min(pass, n - p0);
       const int64_t pieces = (m + kMaxN - 1) / kMaxN;
