@@ -9,6 +9,7 @@ import pytest
 from support import PAIR
 
 from hetero_run.runtime.checkpoint import CheckpointError
+from hetero_run.runtime.config import BatchingConfig
 from hetero_run.runtime.planner import make_plan, resolve
 from hetero_run.runtime.planner.gguf_header import read_gguf_header
 
@@ -90,7 +91,7 @@ def test_real_gguf_plans_equal_the_loaded_shards(name, tp):
     from hetero_run.runtime.models.parallel import ParallelContext
 
     path = PAIR / name
-    plan = make_plan(str(path), tp=tp, context=512)
+    plan = make_plan(str(path), tp=tp, context=512, batching=BatchingConfig.one_sequence())  # as load_model sizes it
     for rank in range(tp):
         model = load_model(path, ParallelContext(group=object() if tp > 1 else None, rank=rank, size=tp),
                            max_tokens=512)
