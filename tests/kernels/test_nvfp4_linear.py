@@ -18,7 +18,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 # of 9-15 blocks (384, 448 = the real target's row-parallel o_proj, 4864 = its down_proj minus
 # nothing: 19 groups), a last group of 1-8 blocks (16, 48, 80, 144, 896 = 3.5 groups), one block.
 SHAPES = [(37, 896), (64, 448), (5, 80), (16, 48), (3, 16), (130, 4864), (19, 256), (23, 384), (9, 144)]
-ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 40)  # 1-4: decoded in registers; more: decoded into tiles
+ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 40)  # every blocking of the AVX-512 kernels; the tiles of AMX and AVX2
 
 
 def _weight(out, inp, seed=0):
@@ -45,7 +45,7 @@ def _x_dtypes(isa):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_each_nvfp4_path_matches_reference(isa, shape):
     """Every instruction set's kernel (forced) against the plain-PyTorch reference, for bf16 and
-    float32 activations, in registers (n <= 4) and through tiles."""
+    float32 activations, at every row count's blocking."""
     if isa.name == "amx" and shape[1] % 32:
         pytest.skip("AMX tiles need in_features a multiple of 32")
     codes, scale, row_scale = _weight(*shape)
@@ -72,6 +72,24 @@ def test_block_scales_of_every_kind_decode_exactly(isa):
             x = torch.randn(n, 512).to(dtype)
             ref = nvfp4.linear_reference(x, codes, raw.view(torch.float8_e4m3fn), row_scale)
             _close(lib.nvfp4_linear(x, codes, raw, row_scale, isa.path), ref)
+
+
+def test_block_scales_decode_exactly_where_denormals_are_flushed(isa):
+    """The fast scale conversion passes subnormal e4m3 scales through a float32 denormal; a thread
+    that flushes denormals (torch.set_flush_denormal) must still get their exact value."""
+    codes, scale, row_scale = _weight(8, 512, seed=4)
+    raw = torch.randint(1, 8, scale.shape, dtype=torch.uint8)  # every scale subnormal: m * 2^-9
+    lib = cpu_ext.ops()
+    x = torch.randn(3, 512)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for dtype in _x_dtypes(isa):
+            xs = x.to(dtype)
+            ref = nvfp4.linear_reference(xs, codes, raw.view(torch.float8_e4m3fn), row_scale)
+            _close(lib.nvfp4_linear(xs, codes, raw, row_scale, isa.path), ref)
+    finally:
+        torch.set_flush_denormal(False)
 
 
 @pytest.mark.parametrize("shape", [(37, 896), (6, 80), (9, 40), (130, 4864), (33, 97)])
