@@ -4,10 +4,10 @@
 // For one x row (a decode step) each thread walks its output rows one weight row at a time, so
 // its weights arrive as one sequential stream: the hardware prefetchers keep such a stream at
 // the memory's bandwidth, while several rows read side by side, 1-2 KiB apart, fall well short
-// of it (about 31 against 22 GB/s on a 2-core Zen 4). The weight rows meet every row of x while
-// they sit in L1, so the weights stream once whatever n is. Once x no longer fits in half of L1
-// (a long verify, a prefill chunk) four weight rows share each load of x (three x rows each
-// load of a weight row), 64 weight rows stay in
+// of it (about 31 against 22 GB/s on a 2-core Zen 4). Up to four rows of x meet each weight row
+// while it sits in L1, so the weights stream once. With more rows of x, or once x no longer fits
+// in half of L1 (a long verify, a prefill chunk) four weight rows share each load of x (three x
+// rows each load of a weight row), 64 weight rows stay in
 // L2 while chunks of x rows that fit L1 pass over them. The order of each (weight row, x row)
 // sum is dot_block's in every case.
 #include "cpu_kernels.h"
@@ -19,6 +19,10 @@ namespace hetero_run_cpu {
 namespace {
 
 constexpr int64_t kBlockedAbove = 16 << 10;  // bytes of x: half of L1
+// Rows of x one pass of a weight row takes (rows_times_x<T, 1, 4>); more would read each weight
+// row several times from L1 with few accumulators: 9 rows cost 1.5-2.2x one row that way against
+// 1.5-1.9x from L2 in the blocked path (A/B in one process, both cores, every TP=1 shape).
+constexpr int64_t kOnePass = 4;
 
 // Blocks for many rows of x: 64 weight rows (kept in L2) against chunks of x rows that fit half
 // of L1, four weight rows by four x rows at a time (dot_block_phased).
@@ -34,7 +38,7 @@ template <typename T>
 void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const typename T::W* w, int64_t out, float* y) {
   const int64_t x_row = in * static_cast<int64_t>(sizeof(typename T::X));
   const int64_t grain = grain_rows(in * static_cast<int64_t>(sizeof(typename T::W)));
-  const bool blocked = n > 1 && n * x_row > kBlockedAbove;
+  const bool blocked = n > kOnePass || (n > 1 && n * x_row > kBlockedAbove);
   const int64_t x_chunk = std::max<int64_t>(4, (512 << 10) / x_row / 4 * 4);
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
     if (!blocked) {
