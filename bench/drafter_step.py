@@ -11,8 +11,10 @@ interleaved so that a passing load spike hits every figure alike, the median of 
 - the drafter's decode step, one row, and one row for each of k sequences in one batched
   forward (k = 2, 4, 8 slots), per projection kind in `--weights`;
 - its projections alone: the step's 121 linear products (4 per layer and the head) called back
-  to back through the same registered ops on one row, nothing between them: what the step
-  costs beyond them is its overhead;
+  to back through the registered ops on one row, nothing between them, each op forking and
+  joining the threads (the step computes them with the same kernels in one parallel region):
+  the step against them is what its norms, rotary, attention and barriers cost, less what the
+  region saves;
 - with `--baseline`, the same drafter through the runtime's model code, one PyTorch operation
   at a time (what the drafter ran before the compiled step);
 - the memory bandwidth, as bench/target_decode.py measures it: torch's sum over the target's
@@ -239,8 +241,9 @@ def _print(r: dict) -> None:
     for kind, d in r["drafters"].items():
         print(f"{kind}: the projections alone take {d['linear_ms']:.2f} ms for {d['macs'] / 1e6:.0f} M multiply-adds "
               f"({d['macs'] / d['linear_ms'] / 1e6:.1f} GMAC/s, {d['weight_bytes'] / d['linear_ms'] / 1e6:.1f} GB/s); "
-              f"the step adds {d['ms'][1] - d['linear_ms']:+.2f} ms (norms, rotary, attention over {r['context']} "
-              "tokens, residuals)")
+              f"the step, which also runs the norms, rotary, attention over {r['context']} tokens and residuals, "
+              f"takes {d['ms'][1] - d['linear_ms']:+.2f} ms beside them (one parallel region instead of an op per "
+              "product)")
     print("\nms are medians over the rounds of each round's median step; k rows: one batched forward drafting one "
           "token for each of k sequences (ms per row in brackets); c = drafter 1-row step / target step; roofline = "
           "bytes read per step / the bandwidth measured in this run; linear = the step's projections alone (the "

@@ -3,8 +3,10 @@
 A drafter such as SmolLM2-135M (30 layers of hidden 576) run as ~20 PyTorch operations per
 layer spends about as long dispatching them as its weights take to stream. `DraftStep` runs
 every layer of a llama / qwen2 / qwen3 decoder in one compiled call over a KV cache with
-sequence slots; its projections still go through the registered linear ops
-(`torch.ops.hetero_run.nvfp4_linear` / `dense_linear`), so it gets whatever they do.
+sequence slots, in one parallel region: each thread computes its share of every projection's
+rows with the kernels of the registered linear ops (`torch.ops.hetero_run.nvfp4_linear` /
+`dense_linear`, the same bits), and the threads meet at a barrier between phases instead of
+forking and joining for each of a step's 121 products.
 
     step = DraftStep(weights, cos, sin, k_cache, v_cache)   # caches [slots, layers, kv_heads, max_tokens, d]
     logits = step.forward(ids, slots, index, positions)      # [n] each -> [n, vocab] float32

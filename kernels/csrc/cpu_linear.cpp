@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include "cpu_kernels.h"
+#include "linear_rows.h"
 
 namespace hetero_run_cpu {
 namespace {
@@ -79,6 +80,45 @@ Isa choose(int64_t path, bool bf16_ok, bool amx_ok) {
   return kPortable;
 }
 
+// x [n, in] times `out` NVFP4 weight rows (codes, scales and row scales of the first at cd, sd,
+// rs) -> y [n, out], on `isa`.
+void nvfp4_run(Isa isa, const at::Tensor& x_in, const uint8_t* cd, const uint8_t* sd, const float* rs, int64_t out,
+               float* yd) {
+  const int64_t n = x_in.size(0), in = x_in.size(1);
+#if HR_X86
+  if (isa == kAmx) return nvfp4_linear_amx(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, cd, sd, rs, out, yd);
+  if (isa == kAvx512Bf16)
+    return nvfp4_linear_avx512_bf16(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, cd, sd, rs, out, yd);
+#endif
+  const at::Tensor x = x_in.scalar_type() == at::kBFloat16 ? x_in.to(at::kFloat) : x_in;
+  const float* xd = x.data_ptr<float>();
+#if HR_X86
+  if (isa == kAvx512) return nvfp4_linear_avx512(xd, n, in, cd, sd, rs, out, yd);
+  if (isa == kAvx2) return nvfp4_linear_avx2(xd, n, in, cd, sd, rs, out, yd);
+#endif
+  nvfp4_linear_portable(xd, n, in, cd, sd, rs, out, yd);
+}
+
+// x [n, in] times `out` dense weight rows starting at w -> y [n, out], on `isa`.
+void dense_run(Isa isa, const at::Tensor& x_in, const at::Tensor& w, int64_t r0, int64_t out, float* yd) {
+  const int64_t n = x_in.size(0), in = x_in.size(1);
+  const auto* wb = reinterpret_cast<const uint16_t*>(w.data_ptr()) + r0 * in;
+#if HR_X86
+  if (isa == kAmx) return dense_linear_amx(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, wb, out, yd);
+  if (isa == kAvx512Bf16)
+    return dense_linear_avx512_bf16(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, wb, out, yd);
+#endif
+  const at::Tensor x = x_in.scalar_type() == at::kBFloat16 ? x_in.to(at::kFloat) : x_in;
+  const float* xd = x.data_ptr<float>();
+  const bool wf = w.scalar_type() == at::kFloat;
+  const float* wfd = wf ? w.data_ptr<float>() + r0 * in : nullptr;
+#if HR_X86
+  if (isa == kAvx512) return wf ? dense_linear_avx512(xd, n, in, wfd, out, yd) : dense_linear_avx512(xd, n, in, wb, out, yd);
+  if (isa == kAvx2) return wf ? dense_linear_avx2(xd, n, in, wfd, out, yd) : dense_linear_avx2(xd, n, in, wb, out, yd);
+#endif
+  wf ? dense_linear_portable(xd, n, in, wfd, out, yd) : dense_linear_portable(xd, n, in, wb, out, yd);
+}
+
 at::Tensor nvfp4_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
                         const at::Tensor& row_scale, int64_t path) {
   check_2d(x_in, "x");
@@ -94,35 +134,9 @@ at::Tensor nvfp4_linear(const at::Tensor& x_in, const at::Tensor& codes, const a
   TORCH_CHECK(row_scale.numel() == out, "row_scale needs ", out, " values");
   at::Tensor y = at::empty({n, out}, x_in.options().dtype(at::kFloat));
   if (n == 0 || out == 0) return y;
-  const uint8_t* cd = codes.data_ptr<uint8_t>();
-  const uint8_t* sd = scales.data_ptr<uint8_t>();
-  const float* rs = row_scale.data_ptr<float>();
-  float* yd = y.data_ptr<float>();
   const bool bf16 = x_in.scalar_type() == at::kBFloat16;
-  const Isa isa = choose(path, bf16, bf16 && in % 32 == 0);
-#if HR_X86
-  if (isa == kAmx) {
-    nvfp4_linear_amx(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, cd, sd, rs, out, yd);
-    return y;
-  }
-  if (isa == kAvx512Bf16) {
-    nvfp4_linear_avx512_bf16(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, cd, sd, rs, out, yd);
-    return y;
-  }
-#endif
-  const at::Tensor x = bf16 ? x_in.to(at::kFloat) : x_in;
-  const float* xd = x.data_ptr<float>();
-#if HR_X86
-  if (isa == kAvx512) {
-    nvfp4_linear_avx512(xd, n, in, cd, sd, rs, out, yd);
-    return y;
-  }
-  if (isa == kAvx2) {
-    nvfp4_linear_avx2(xd, n, in, cd, sd, rs, out, yd);
-    return y;
-  }
-#endif
-  nvfp4_linear_portable(xd, n, in, cd, sd, rs, out, yd);
+  nvfp4_run(choose(path, bf16, bf16 && in % 32 == 0), x_in, codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
+            row_scale.data_ptr<float>(), out, y.data_ptr<float>());
   return y;
 }
 
@@ -169,34 +183,8 @@ at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t pat
   TORCH_CHECK(w.size(1) == in, "w has ", w.size(1), " inputs, x has ", in);
   at::Tensor y = at::empty({n, out}, x_in.options().dtype(at::kFloat));
   if (n == 0 || out == 0) return y;
-  float* yd = y.data_ptr<float>();
   const bool bf16 = xt == at::kBFloat16 && wt == at::kBFloat16;
-  const Isa isa = choose(path, bf16, bf16 && in % 32 == 0);
-  const auto* wb = reinterpret_cast<const uint16_t*>(w.data_ptr());
-#if HR_X86
-  if (isa == kAmx) {
-    dense_linear_amx(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, wb, out, yd);
-    return y;
-  }
-  if (isa == kAvx512Bf16) {
-    dense_linear_avx512_bf16(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, wb, out, yd);
-    return y;
-  }
-#endif
-  const at::Tensor x = xt == at::kBFloat16 ? x_in.to(at::kFloat) : x_in;
-  const float* xd = x.data_ptr<float>();
-  const bool wf = wt == at::kFloat;
-#if HR_X86
-  if (isa == kAvx512) {
-    wf ? dense_linear_avx512(xd, n, in, w.data_ptr<float>(), out, yd) : dense_linear_avx512(xd, n, in, wb, out, yd);
-    return y;
-  }
-  if (isa == kAvx2) {
-    wf ? dense_linear_avx2(xd, n, in, w.data_ptr<float>(), out, yd) : dense_linear_avx2(xd, n, in, wb, out, yd);
-    return y;
-  }
-#endif
-  wf ? dense_linear_portable(xd, n, in, w.data_ptr<float>(), out, yd) : dense_linear_portable(xd, n, in, wb, out, yd);
+  dense_run(choose(path, bf16, bf16 && in % 32 == 0), x_in, w, 0, out, y.data_ptr<float>());
   return y;
 }
 
@@ -205,6 +193,20 @@ int64_t cpu_supported_features() { return supported_features(); }
 void set_cpu_features(int64_t mask) { set_allowed_features(static_cast<int>(mask)); }
 
 }  // namespace
+
+void nvfp4_linear_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                       const at::Tensor& row_scale, int64_t r0, int64_t r1, float* y) {
+  const int64_t half = codes.size(1), nb = scales.size(1);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  nvfp4_run(choose(kPathAuto, bf16, bf16 && x.size(1) % 32 == 0), x, codes.data_ptr<uint8_t>() + r0 * half,
+            scales.data_ptr<uint8_t>() + r0 * nb, row_scale.data_ptr<float>() + r0, r1 - r0, y);
+}
+
+void dense_linear_rows(const at::Tensor& x, const at::Tensor& w, int64_t r0, int64_t r1, float* y) {
+  const bool bf16 = x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16;
+  dense_run(choose(kPathAuto, bf16, bf16 && x.size(1) % 32 == 0), x, w, r0, r1 - r0, y);
+}
+
 }  // namespace hetero_run_cpu
 
 TORCH_LIBRARY(hetero_run, m) {

@@ -1,10 +1,14 @@
 // One decode step of a small llama / qwen2 / qwen3 drafter over a KV cache with sequence slots.
 //
 // A drafter such as SmolLM2-135M has 30 narrow layers (hidden 576); run as ~20 PyTorch
-// operations per layer, the dispatch between them costs as much as its weights take to stream.
-// Here one call runs every layer: the four projections of a layer go through the registered
-// linear ops (hetero_run::nvfp4_linear / hetero_run::dense_linear, looked up in the c10
-// dispatcher), everything between them is a few plain loops over float32 activations.
+// operations per layer, the dispatch between them costs as much as its weights take to stream,
+// and even one call per projection leaves the threads forking and joining 121 times a step
+// while each small matrix starts a cold stream from memory. Here one call runs every layer in
+// one parallel region: each thread computes a fixed share of every projection's output rows with
+// the registered linear ops' own kernels (linear_rows.h: the same bits as the ops), and its
+// share of the attention; the threads meet at a barrier where one phase feeds the next (five per
+// layer), and before waiting each thread prefetches the start of its next share of weights.
+// Everything between the projections is a few plain loops over float32 activations.
 //
 // Class hetero_run.DraftStep (Python wrapper and plain-PyTorch reference: kernels/drafter_step.py):
 //   DraftStep(layers, hidden, heads, kv_heads, head_dim, eps, embed [vocab, hidden], norm [hidden] f32,
@@ -23,18 +27,29 @@
 //       attends, so rows of one slot form a chain (or a tree, with a mask) within one call.
 //
 // Each row is computed on its own in a fixed order (the linear ops' paths do not depend on the
-// number of rows either), so a row gets the same bits whatever other rows share the call.
+// number of rows either), so a row gets the same bits whatever other rows share the call, and
+// every value gets the same bits whatever the number of threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "linear_rows.h"
+
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <exception>
 #include <limits>
+#include <mutex>
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define DS_X86 1
@@ -258,28 +273,106 @@ void attend(const float* q, int64_t group, const T* K, const T* V, int64_t keys,
   attend_scalar(q, group, K, V, keys, d, valid, scores, out);
 }
 
-// ---------------------------------------------------------------- projections through the registered ops
+// ---------------------------------------------------------------- the step's threads
 
-using Nvfp4Op = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t);
-using DenseOp = Tensor(const Tensor&, const Tensor&, int64_t);
+#if DS_X86
+// float32 -> bf16 bits, 16 at a time, with narrow()'s rounding (to nearest even; NaN stays NaN)
+DS_AVX512 void to_bf16_avx512(const float* x, int64_t count, uint16_t* out) {
+  const __m512i exp_mask = _mm512_set1_epi32(0x7f800000), man_mask = _mm512_set1_epi32(0x7fffff);
+  for (int64_t e = 0; e < count; e += 16) {
+    const __mmask16 m = tail_mask(count - e);
+    const __m512i bits = _mm512_maskz_loadu_epi32(m, x + e);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(bits, exp_mask), exp_mask) &
+                          _mm512_test_epi32_mask(bits, man_mask);
+    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
+    _mm256_mask_storeu_epi16(out + e, m, _mm512_cvtepi32_epi16(r));
+  }
+}
+#endif
 
-c10::TypedOperatorHandle<Nvfp4Op>& nvfp4_op() {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hetero_run::nvfp4_linear", "").typed<Nvfp4Op>();
-  return op;
+void to_bf16(const float* x, int64_t count, uint16_t* out) {
+#if DS_X86
+  if (vector_isa()) return to_bf16_avx512(x, count, out);
+#endif
+  for (int64_t e = 0; e < count; ++e) narrow(x[e], out + e);
 }
 
-c10::TypedOperatorHandle<DenseOp>& dense_op() {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("hetero_run::dense_linear", "").typed<DenseOp>();
-  return op;
+// h[r, a + j] += y[r, j] for the rows of a product's share [a, b) (y [n, b - a])
+void add_into(float* h, int64_t hidden, const float* y, int64_t n, int64_t a, int64_t b) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t e = a; e < b; ++e) h[r * hidden + e] += y[r * (b - a) + e - a];
 }
 
-Tensor to_bf16(const Tensor& x) {  // rounded to nearest even, as Tensor.to(bfloat16) does
-  Tensor out = at::empty(x.sizes(), x.options().dtype(at::kBFloat16));
-  const float* xd = x.data_ptr<float>();
-  uint16_t* od = reinterpret_cast<uint16_t*>(out.data_ptr());
-  for (int64_t e = 0; e < x.numel(); ++e) narrow(xd[e], od + e);
-  return out;
+// The start of a thread's next share of weights, prefetched before it waits at a barrier so the
+// stream is under way when the next product begins.
+struct Ahead {
+  const char* at[3] = {nullptr, nullptr, nullptr};
+  int64_t bytes[3] = {0, 0, 0};
+};
+constexpr int64_t kAheadBytes = 2048;  // the window the kernels prefetch ahead of their group loop
+
+struct Team {
+  int id = 0, size = 1;
+  void barrier(const Ahead& ahead) const {
+#if DS_X86
+    for (int i = 0; i < 3; ++i)
+      for (int64_t b = 0; b < ahead.bytes[i]; b += 64) _mm_prefetch(ahead.at[i] + b, _MM_HINT_T0);
+#endif
+#ifdef _OPENMP
+    if (size > 1) {
+#pragma omp barrier
+    }
+#endif
+  }
+};
+
+Team this_team() {
+#ifdef _OPENMP
+  return Team{omp_get_thread_num(), omp_get_num_threads()};
+#else
+  return Team{};
+#endif
 }
+
+// The thread's share [a, b) of `rows` output rows, in multiples of 16 rows (the AMX kernels' tile
+// height) but for the last; every row is computed by the same kernel whoever computes it.
+std::pair<int64_t, int64_t> share(int64_t rows, const Team& t) {
+  auto edge = [&](int k) { return k >= t.size ? rows : std::min(rows, (rows * k / t.size + 8) / 16 * 16); };
+  return {edge(t.id), edge(t.id + 1)};
+}
+
+std::pair<int64_t, int64_t> share_tasks(int64_t tasks, const Team& t) {
+  return {tasks * t.id / t.size, tasks * (t.id + 1) / t.size};
+}
+
+// An exception inside the parallel region must not skip a barrier (the other threads would wait
+// for ever): the first one is kept, later phases do nothing, and it is rethrown after the region.
+class Failure {
+ public:
+  template <typename F>
+  void guard(F&& f) {
+    if (failed_.load(std::memory_order_relaxed)) return;
+    try {
+      f();
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mutex_);
+      if (!error_) error_ = std::current_exception();
+      failed_.store(true);
+    }
+  }
+  void rethrow() const {
+    if (error_) std::rethrow_exception(error_);
+  }
+
+ private:
+  std::atomic<bool> failed_{false};
+  std::mutex mutex_;
+  std::exception_ptr error_;
+};
+
+// ---------------------------------------------------------------- projections
 
 struct Proj {
   Tensor w, codes, scales, row_scale, bias;
@@ -287,22 +380,37 @@ struct Proj {
   int64_t out = 0, in = 0;
 
   bool set() const { return out > 0; }
-
-  // x f32 [n, in] contiguous -> f32 [n, out] contiguous, bias added
-  Tensor operator()(const Tensor& x) const {
-    const Tensor& xs = bf16_x ? to_bf16(x) : x;
-    Tensor y = codes.defined() ? nvfp4_op().call(xs, codes, scales, row_scale, 0) : dense_op().call(xs, w, 0);
-    if (y.scalar_type() != at::kFloat) y = y.to(at::kFloat);
-    y = y.contiguous();
-    if (bias.defined()) {
-      float* yd = y.data_ptr<float>();
-      const float* bd = bias.data_ptr<float>();
-      for (int64_t r = 0; r < y.size(0); ++r)
-        for (int64_t e = 0; e < out; ++e) yd[r * out + e] += bd[e];
-    }
-    return y;
-  }
 };
+
+// The start of rows [a, b) of p (of rows li + a .. li + b too, for gate_up's up rows when li > 0).
+Ahead ahead_of(const Proj& p, std::pair<int64_t, int64_t> rows, int64_t li = 0) {
+  Ahead ah;
+  const auto [a, b] = rows;
+  if (!p.set() || a >= b) return ah;
+  if (p.codes.defined()) {
+    const int64_t half = p.codes.size(1), nb = p.scales.size(1);
+    const auto* c = reinterpret_cast<const char*>(p.codes.data_ptr<uint8_t>());
+    const auto* s = reinterpret_cast<const char*>(p.scales.data_ptr<uint8_t>());
+    ah.at[0] = c + a * half;
+    ah.bytes[0] = std::min(kAheadBytes, (b - a) * half);
+    ah.at[1] = s + a * nb;
+    ah.bytes[1] = std::min(kAheadBytes / 8, (b - a) * nb);
+    if (li > 0) {
+      ah.at[2] = c + (li + a) * half;
+      ah.bytes[2] = std::min(kAheadBytes, (b - a) * half);
+    }
+  } else {
+    const int64_t row = p.in * static_cast<int64_t>(p.w.element_size());
+    const auto* w = reinterpret_cast<const char*>(p.w.data_ptr());
+    ah.at[0] = w + a * row;
+    ah.bytes[0] = std::min(kAheadBytes, (b - a) * row);
+    if (li > 0) {
+      ah.at[1] = w + (li + a) * row;
+      ah.bytes[1] = std::min(kAheadBytes, (b - a) * row);
+    }
+  }
+  return ah;
+}
 
 Tensor contiguous_as(const Tensor& t, at::ScalarType dtype, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
@@ -479,10 +587,27 @@ struct DraftStep : torch::CustomClassHolder {
     const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * d, half = d / 2;
     const int64_t max_tokens = k_cache.size(3);
     const float scale = 1.f / std::sqrt(static_cast<float>(d)), feps = static_cast<float>(eps);
-    Tensor h = at::empty({n, hidden}, f32), x = at::empty({n, hidden}, f32), att = at::empty({n, heads * d}, f32);
+    int64_t inter = 0;
+    bool att_bf16 = false, act_bf16 = false;
+    for (const Layer& ly : L) {
+      inter = std::max(inter, ly.proj[kGateUp].out / 2);
+      att_bf16 = att_bf16 || ly.proj[kO].bf16_x;
+      act_bf16 = act_bf16 || ly.proj[kDown].bf16_x;
+    }
+    // shared activations: each is written in one phase (every thread its own part) and read
+    // after the barrier that ends it
+    Tensor h = at::empty({n, hidden}, f32), qkv = at::empty({n, qkv_width}, f32);
+    Tensor att = at::empty({n, heads * d}, f32), act = at::empty({n, inter}, f32);
+    Tensor att_b = att_bf16 ? at::empty({n, heads * d}, at::kBFloat16) : Tensor();
+    Tensor act_b = act_bf16 ? at::empty({n, inter}, at::kBFloat16) : Tensor();
+    Tensor logits = at::empty({n, out_head.out}, f32);
     float* hd = h.data_ptr<float>();
-    float* xd = x.data_ptr<float>();
+    float* qd = qkv.data_ptr<float>();
     float* ad = att.data_ptr<float>();
+    float* actd = act.data_ptr<float>();
+    uint16_t* abd = att_bf16 ? reinterpret_cast<uint16_t*>(att_b.data_ptr()) : nullptr;
+    uint16_t* actbd = act_bf16 ? reinterpret_cast<uint16_t*>(act_b.data_ptr()) : nullptr;
+    float* ld = logits.data_ptr<float>();
     const float* cd = cos.data_ptr<float>();
     const float* sd = sin.data_ptr<float>();
     T* kc = reinterpret_cast<T*>(k_cache.data_ptr());
@@ -495,67 +620,150 @@ struct DraftStep : torch::CustomClassHolder {
       for (int64_t r = 0; r < n; ++r)
         for (int64_t c = 0; c < hidden; ++c) hd[r * hidden + c] = widen(e[id[r] * hidden + c]);
     }
+    int64_t widest_out = out_head.out;
+    for (const Layer& ly : L)
+      for (const Proj& p : ly.proj) widest_out = std::max(widest_out, p.out);
     int64_t keys_total = 0;
     for (int64_t r = 0; r < n; ++r) keys_total += ix[r] + 1;
-    // attention tasks (row, KV head) in parallel only when there is enough work to pay for waking threads
-    const int64_t grain = keys_total * heads * d * 2 < (1 << 18) ? n * kv_heads : 1;
-    std::vector<float> rotated(d);
-    for (int64_t l = 0; l < layers; ++l) {
-      const Layer& ly = L[l];
-      const float* in_norm = ly.input_norm.data_ptr<float>();
-      for (int64_t r = 0; r < n; ++r) rms_norm_row(hd + r * hidden, in_norm, hidden, feps, xd + r * hidden);
-      Tensor qkv = ly.proj[kQkv](x);  // [n, (heads + 2 kv_heads) d]: q heads, k heads, v heads
-      float* qd = qkv.data_ptr<float>();
-      const float* qk_norm = ly.qk_norm.defined() ? ly.qk_norm.data_ptr<float>() : nullptr;
-      for (int64_t r = 0; r < n; ++r) {
-        float* row = qd + r * qkv_width;
-        const float* c = cd + ps[r] * d;
-        const float* s = sd + ps[r] * d;
-        for (int64_t hh = 0; hh < heads + kv_heads; ++hh) {  // q and k heads: norm (qwen3), rotate
-          float* v = row + hh * d;
-          if (qk_norm) rms_norm_row(v, qk_norm + hh * d, d, feps, v);
-          for (int64_t e = 0; e < d; ++e) rotated[e] = v[e] * c[e] + v[(e + half) % d] * s[e];
-          const float mult = hh < heads ? scale : 1.f;  // q carries the softmax scale from here on
-          for (int64_t e = 0; e < d; ++e) v[e] = rotated[e] * mult;
+    // a step worth less than this many multiply-adds runs on one thread (waking another costs more)
+    int64_t macs = out_head.out * out_head.in * n + keys_total * heads * d * 2 * layers;
+    for (const Layer& ly : L)
+      for (const Proj& p : ly.proj) macs += p.out * p.in * n;
+    const int team_wanted = macs < (1 << 20) ? 1 : static_cast<int>(at::get_num_threads());
+    Failure failure;
+
+    // The whole step is one parallel region: each thread takes a fixed share of every
+    // projection's output rows (the same kernels and bits as the registered ops) and of the
+    // attention tasks, the threads meet at a barrier where one phase's results feed the next,
+    // and each thread prefetches the start of its next share of weights before it waits.
+#pragma omp parallel num_threads(team_wanted) if (team_wanted > 1)
+    {
+      const Team tm = this_team();
+      Tensor x = at::empty({n, hidden}, f32);  // this thread's normed copy of h
+      Tensor xb = at::empty({n, hidden}, at::kBFloat16);
+      Tensor y = at::empty({n, (widest_out + tm.size - 1) / tm.size + 16}, f32);  // this thread's rows of a product
+      float* xd = x.data_ptr<float>();
+      uint16_t* xbd = reinterpret_cast<uint16_t*>(xb.data_ptr());
+      float* yd = y.data_ptr<float>();
+      std::vector<float> rotated(d), scores;
+      // x = norm(h) for every row (each thread its own copy: no barrier), rounded to bf16 when p wants it
+      auto normed = [&](const float* w, bool bf16) {
+        for (int64_t r = 0; r < n; ++r) rms_norm_row(hd + r * hidden, w, hidden, feps, xd + r * hidden);
+        if (bf16) to_bf16(xd, n * hidden, xbd);
+      };
+      // rows [a, b) of p's output for every row of x into y [n, b - a], bias added
+      auto product = [&](const Proj& p, const Tensor& in, int64_t a, int64_t b) {
+        if (a >= b) return;
+        if (p.codes.defined())
+          hetero_run_cpu::nvfp4_linear_rows(in, p.codes, p.scales, p.row_scale, a, b, yd);
+        else
+          hetero_run_cpu::dense_linear_rows(in, p.w, a, b, yd);
+        if (p.bias.defined()) {
+          const float* bd = p.bias.data_ptr<float>();
+          for (int64_t r = 0; r < n; ++r)
+            for (int64_t e = a; e < b; ++e) yd[r * (b - a) + e - a] += bd[e];
         }
-        for (int64_t g = 0; g < kv_heads; ++g) {
-          const int64_t at_ = (((sl[r] * layers + l) * kv_heads + g) * max_tokens + ix[r]) * d;
-          const float* kr = row + (heads + g) * d;
-          const float* vr = row + (heads + kv_heads + g) * d;
-          for (int64_t e = 0; e < d; ++e) {
-            narrow(kr[e], kc + at_ + e);
-            narrow(vr[e], vc + at_ + e);
+      };
+      for (int64_t l = 0; l < layers; ++l) {
+        const Layer& ly = L[l];
+        const Proj& pqkv = ly.proj[kQkv];
+        const Proj& po = ly.proj[kO];
+        const Proj& pgu = ly.proj[kGateUp];
+        const Proj& pdown = ly.proj[kDown];
+        const int64_t li = pgu.out / 2;
+        // qkv [n, (heads + 2 kv_heads) d]: q heads, k heads, v heads
+        failure.guard([&] {
+          normed(ly.input_norm.data_ptr<float>(), pqkv.bf16_x);
+          const auto [a, b] = share(pqkv.out, tm);
+          product(pqkv, pqkv.bf16_x ? xb : x, a, b);
+          for (int64_t r = 0; r < n; ++r) std::memcpy(qd + r * qkv_width + a, yd + r * (b - a), (b - a) * sizeof(float));
+        });
+        tm.barrier(ahead_of(po, share(po.out, tm)));
+        // (row, KV head) tasks: norm (qwen3) and rotate the group's q heads and the k head, write k and v
+        const float* qk_norm = ly.qk_norm.defined() ? ly.qk_norm.data_ptr<float>() : nullptr;
+        int64_t t0, t1;
+        std::tie(t0, t1) = share_tasks(n * kv_heads, tm);
+        failure.guard([&] {
+          for (int64_t t = t0; t < t1; ++t) {
+            const int64_t r = t / kv_heads, g = t % kv_heads;
+            float* row = qd + r * qkv_width;
+            const float* c = cd + ps[r] * d;
+            const float* s = sd + ps[r] * d;
+            for (int64_t k = 0; k <= group; ++k) {
+              const int64_t hh = k < group ? g * group + k : heads + g;
+              float* v = row + hh * d;
+              if (qk_norm) rms_norm_row(v, qk_norm + hh * d, d, feps, v);
+              for (int64_t e = 0; e < d; ++e) rotated[e] = v[e] * c[e] + v[(e + half) % d] * s[e];
+              const float mult = hh < heads ? scale : 1.f;  // q carries the softmax scale from here on
+              for (int64_t e = 0; e < d; ++e) v[e] = rotated[e] * mult;
+            }
+            const int64_t at_ = (((sl[r] * layers + l) * kv_heads + g) * max_tokens + ix[r]) * d;
+            const float* kr = row + (heads + g) * d;
+            const float* vr = row + (heads + kv_heads + g) * d;
+            for (int64_t e = 0; e < d; ++e) {
+              narrow(kr[e], kc + at_ + e);
+              narrow(vr[e], vc + at_ + e);
+            }
           }
-        }
+        });
+        tm.barrier(Ahead{});  // every row's keys and values are written before any row attends
+        failure.guard([&] {
+          for (int64_t t = t0; t < t1; ++t) {
+            const int64_t r = t / kv_heads, g = t % kv_heads, keys = ix[r] + 1;
+            scores.resize(group * keys);
+            const int64_t base = ((sl[r] * layers + l) * kv_heads + g) * max_tokens * d;
+            float* out = ad + r * heads * d + g * group * d;
+            attend<T>(qd + r * qkv_width + g * group * d, group, kc + base, vc + base, keys, d,
+                      mk ? mk + r * mask_stride : nullptr, scores.data(), out);
+            if (po.bf16_x) to_bf16(out, group * d, abd + r * heads * d + g * group * d);
+          }
+        });
+        tm.barrier(Ahead{});
+        // h += o(att), each thread its share of h's columns
+        failure.guard([&] {
+          const auto [a, b] = share(po.out, tm);
+          product(po, po.bf16_x ? att_b : att, a, b);
+          add_into(hd, hidden, yd, n, a, b);
+        });
+        tm.barrier(ahead_of(pgu, share(li, tm), li));
+        // act = silu(gate) * up, each thread the gate rows and the up rows of its share
+        failure.guard([&] {
+          normed(ly.post_norm.data_ptr<float>(), pgu.bf16_x);
+          const auto [a, b] = share(li, tm);
+          const Tensor& in = pgu.bf16_x ? xb : x;
+          const int64_t w = b - a;
+          if (w > 0) {
+            product(pgu, in, a, b);  // gate rows into y [n, w]
+            std::vector<float> gate(yd, yd + n * w);
+            product(pgu, in, li + a, li + b);  // up rows
+            for (int64_t r = 0; r < n; ++r) {
+              float* dst = actd + r * li + a;
+              silu_mul_row(gate.data() + r * w, yd + r * w, w, dst);
+              if (pdown.bf16_x) to_bf16(dst, w, actbd + r * li + a);
+            }
+          }
+        });
+        tm.barrier(ahead_of(pdown, share(pdown.out, tm)));
+        // h += down(act)
+        failure.guard([&] {
+          const auto [a, b] = share(pdown.out, tm);
+          const Tensor in = pdown.bf16_x ? at::from_blob(actbd, {n, li}, at::kBFloat16) : at::from_blob(actd, {n, li}, f32);
+          product(pdown, in, a, b);
+          add_into(hd, hidden, yd, n, a, b);
+        });
+        const Proj& next = l + 1 < layers ? L[l + 1].proj[kQkv] : out_head;
+        tm.barrier(ahead_of(next, share(next.out, tm)));
       }
-      at::parallel_for(0, n * kv_heads, grain, [&](int64_t t0, int64_t t1) {
-        std::vector<float> scores;
-        for (int64_t t = t0; t < t1; ++t) {
-          const int64_t r = t / kv_heads, g = t % kv_heads, keys = ix[r] + 1;
-          scores.resize(group * keys);
-          const int64_t base = ((sl[r] * layers + l) * kv_heads + g) * max_tokens * d;
-          attend<T>(qd + r * qkv_width + g * group * d, group, kc + base, vc + base, keys, d,
-                    mk ? mk + r * mask_stride : nullptr, scores.data(), ad + r * heads * d + g * group * d);
-        }
+      failure.guard([&] {
+        normed(norm.data_ptr<float>(), out_head.bf16_x);
+        const auto [a, b] = share(out_head.out, tm);
+        product(out_head, out_head.bf16_x ? xb : x, a, b);
+        for (int64_t r = 0; r < n; ++r)
+          std::memcpy(ld + r * out_head.out + a, yd + r * (b - a), (b - a) * sizeof(float));
       });
-      Tensor o = ly.proj[kO](att);
-      const float* od = o.data_ptr<float>();
-      for (int64_t e = 0; e < n * hidden; ++e) hd[e] += od[e];
-      const float* post_norm = ly.post_norm.data_ptr<float>();
-      for (int64_t r = 0; r < n; ++r) rms_norm_row(hd + r * hidden, post_norm, hidden, feps, xd + r * hidden);
-      Tensor gu = ly.proj[kGateUp](x);  // [n, 2 I]
-      const int64_t inter = ly.proj[kGateUp].out / 2;
-      Tensor act = at::empty({n, inter}, f32);
-      const float* gd = gu.data_ptr<float>();
-      float* actd = act.data_ptr<float>();
-      for (int64_t r = 0; r < n; ++r) silu_mul_row(gd + r * 2 * inter, gd + r * 2 * inter + inter, inter, actd + r * inter);
-      Tensor down = ly.proj[kDown](act);
-      const float* dd = down.data_ptr<float>();
-      for (int64_t e = 0; e < n * hidden; ++e) hd[e] += dd[e];
     }
-    const float* fn = norm.data_ptr<float>();
-    for (int64_t r = 0; r < n; ++r) rms_norm_row(hd + r * hidden, fn, hidden, feps, xd + r * hidden);
-    return out_head(x);
+    failure.rethrow();
+    return logits;
   }
 };
 

@@ -1,7 +1,10 @@
 """The compiled drafter step (kernels/drafter_step.py) against its PyTorch reference, rows of one
-forward bit-identical to each row alone, trees through a mask, and the checks on bad rows."""
+forward bit-identical to each row alone, a step shared between threads bit-identical to one
+thread, trees through a mask, and the checks on bad rows."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -16,7 +19,24 @@ from hetero_run.kernels.drafter_step import (
     rotary_tables,
 )
 
-HIDDEN, HEADS, KV_HEADS, D, INTER, VOCAB, LAYERS, SLOTS, MAX_TOKENS = 64, 4, 2, 16, 96, 50, 2, 3, 24
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int = 64
+    heads: int = 4
+    kv_heads: int = 2
+    d: int = 16
+    inter: int = 96
+    vocab: int = 50
+    layers: int = 2
+    slots: int = 3
+    max_tokens: int = 24
+
+
+TINY = Shape()
+VOCAB, SLOTS, MAX_TOKENS = TINY.vocab, TINY.slots, TINY.max_tokens
+# a step of about 1.7 M multiply-adds a row: enough for the compiled step to share it between threads
+WIDE = Shape(hidden=256, heads=4, kv_heads=2, d=64, inter=768, vocab=300)
 
 
 def _projection(out: int, inp: int, kind: str, g: torch.Generator, bias: bool = False) -> Projection:
@@ -31,23 +51,26 @@ def _projection(out: int, inp: int, kind: str, g: torch.Generator, bias: bool = 
     return Projection(weight=w, bias=b)
 
 
-def tiny_weights(kind: str = "fp32", qkv_bias: bool = False, qk_norm: bool = False, seed: int = 0) -> StepWeights:
+def tiny_weights(kind: str = "fp32", qkv_bias: bool = False, qk_norm: bool = False, seed: int = 0,
+                 shape: Shape = TINY) -> StepWeights:
     g = torch.Generator().manual_seed(seed)
-    norm = (lambda *shape: 1 + 0.1 * torch.randn(*shape, generator=g))  # noqa: E731
-    layers = [StepLayer(norm(HIDDEN), _projection((HEADS + 2 * KV_HEADS) * D, HIDDEN, kind, g, qkv_bias),
-                        _projection(HIDDEN, HEADS * D, kind, g), norm(HIDDEN),
-                        _projection(2 * INTER, HIDDEN, kind, g), _projection(HIDDEN, INTER, kind, g),
-                        norm(HEADS + KV_HEADS, D) if qk_norm else None)
-              for _ in range(LAYERS)]
-    embed = torch.randn(VOCAB, HIDDEN, generator=g)
-    return StepWeights(HEADS, KV_HEADS, D, 1e-6, embed.bfloat16() if kind != "fp32" else embed, layers,
-                       norm(HIDDEN), _projection(VOCAB, HIDDEN, kind, g))
+    norm = (lambda *dims: 1 + 0.1 * torch.randn(*dims, generator=g))  # noqa: E731
+    hidden, heads, kv_heads, d = shape.hidden, shape.heads, shape.kv_heads, shape.d
+    layers = [StepLayer(norm(hidden), _projection((heads + 2 * kv_heads) * d, hidden, kind, g, qkv_bias),
+                        _projection(hidden, heads * d, kind, g), norm(hidden),
+                        _projection(2 * shape.inter, hidden, kind, g), _projection(hidden, shape.inter, kind, g),
+                        norm(heads + kv_heads, d) if qk_norm else None)
+              for _ in range(shape.layers)]
+    embed = torch.randn(shape.vocab, hidden, generator=g)
+    return StepWeights(heads, kv_heads, d, 1e-6, embed.bfloat16() if kind != "fp32" else embed, layers,
+                       norm(hidden), _projection(shape.vocab, hidden, kind, g))
 
 
-def make_step(weights: StepWeights, cache_dtype=torch.bfloat16, compiled: bool | None = None) -> DraftStep:
-    shape = (SLOTS, LAYERS, KV_HEADS, MAX_TOKENS, D)
-    cos, sin = rotary_tables(1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)), MAX_TOKENS)
-    return DraftStep(weights, cos, sin, torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype),
+def make_step(weights: StepWeights, cache_dtype=torch.bfloat16, compiled: bool | None = None,
+              shape: Shape = TINY) -> DraftStep:
+    dims = (shape.slots, shape.layers, shape.kv_heads, shape.max_tokens, shape.d)
+    cos, sin = rotary_tables(1.0 / (10000 ** (torch.arange(0, shape.d, 2).float() / shape.d)), shape.max_tokens)
+    return DraftStep(weights, cos, sin, torch.zeros(dims, dtype=cache_dtype), torch.zeros(dims, dtype=cache_dtype),
                      compiled=compiled)
 
 
@@ -140,6 +163,29 @@ def test_an_extra_head_computes_its_rows(compiled):
     step.set_head(1, None)
     with pytest.raises((RuntimeError, KeyError)):
         step.forward(*rows((6, 0, 2)), head=1)
+
+
+@needs_compiled
+@pytest.mark.parametrize("kind, qkv_bias, qk_norm", [("fp32", True, True), ("bf16", False, False),
+                                                     ("nvfp4", True, False)])
+def test_a_step_shared_between_threads_has_the_bits_of_one_thread(kind, qkv_bias, qk_norm):
+    """The compiled step splits each projection's rows and the attention between threads; every
+    logit and cache entry keeps the bits it gets on one thread, for one row and for several."""
+    weights = tiny_weights(kind, qkv_bias, qk_norm, seed=5, shape=WIDE)
+    before = torch.get_num_threads()
+    results = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            step = make_step(weights, torch.bfloat16, True, shape=WIDE)
+            results[threads] = [step.forward(*rows(*script)) for script in SCRIPT] + [step.k_cache, step.v_cache]
+    finally:
+        torch.set_num_threads(before)
+    for one, two in zip(results[1], results[2], strict=True):
+        assert torch.equal(one, two)
+    reference = make_step(weights, torch.bfloat16, False, shape=WIDE)  # and they are right
+    for script, got in zip(SCRIPT, results[2][:len(SCRIPT)], strict=True):
+        torch.testing.assert_close(got, reference.forward(*rows(*script)), atol=2e-2, rtol=2e-2)
 
 
 @needs_compiled
