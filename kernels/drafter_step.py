@@ -208,12 +208,14 @@ class DraftStep:
             _set_proj(self._step, -1, number, head)
 
     def forward(self, ids: torch.Tensor, slots: torch.Tensor, index: torch.Tensor, positions: torch.Tensor,
-                mask: torch.Tensor | None = None, head: int = 0) -> torch.Tensor:
-        """[n] int64 each (+ mask [n, W] bool) -> logits [n, head rows] float32 (module doc)."""
+                mask: torch.Tensor | None = None, head: int = 0, last: bool = False) -> torch.Tensor:
+        """[n] int64 each (+ mask [n, W] bool) -> logits [n, head rows] float32 (module doc), or
+        [1, head rows] of the last row alone when `last` (the head runs on that row only)."""
         if self._step is not None:
-            return self._step.forward(ids, slots, index, positions, mask, head)
-        return step_reference(self.weights, self.cos, self.sin, self.k_cache, self.v_cache, ids, slots, index,
-                              positions, mask, self.heads[head])
+            return self._step.forward(ids, slots, index, positions, mask, head, last)
+        logits = step_reference(self.weights, self.cos, self.sin, self.k_cache, self.v_cache, ids, slots, index,
+                                positions, mask, self.heads[head])
+        return logits[-1:] if last else logits
 
 
 def _set_proj(step, layer: int, which: int, p: Projection) -> None:

@@ -207,8 +207,9 @@ class PairLM:
     def _row(self, prev: int, cur: int) -> torch.Tensor:
         return self.a[cur] + (self.b[prev] if prev >= 0 else 0)
 
-    def forward(self, ids, positions_or_parents=None, head=None, num_logits=None):
+    def forward(self, ids, positions_or_parents=None, head=None, num_logits=None, last=False):
         ids = ids.tolist()
+        num_logits = 1 if last else num_logits
         is_tree = positions_or_parents is not None and self._is_parents(positions_or_parents)
         rows = []
         if is_tree:

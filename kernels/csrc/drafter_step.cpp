@@ -20,7 +20,8 @@
 //       dense: w [out, in] bf16 | f32; NVFP4: codes u8 [out, in/2],
 //       block_scale u8 (e4m3 bits) [out, in/16], row_scale f32 [out]; bias f32 [out]; bf16_x: x is
 //       rounded to bf16 first (bf16 or NVFP4 weights: the kernels' bf16 dot products)
-//   forward(ids [n], slots [n], index [n], positions [n], mask [n, W] bool?, head) -> logits f32 [n, out]
+//   forward(ids [n], slots [n], index [n], positions [n], mask [n, W] bool?, head, last)
+//       -> logits f32 [n, out] ([1, out]: the last row's alone, when last: a prompt or a catch-up)
 //       row r embeds ids[r], writes its keys and values at cache index index[r] of slot slots[r], is
 //       rotated by positions[r], and attends to indices 0 .. index[r] of its slot (those where
 //       mask[r] is true, when given). Every row's keys and values are written before any row
@@ -532,7 +533,8 @@ struct DraftStep : torch::CustomClassHolder {
     head[which] = Proj();
   }
 
-  Tensor forward(Tensor ids, Tensor slots, Tensor index, Tensor positions, std::optional<Tensor> mask, int64_t head_no) {
+  Tensor forward(Tensor ids, Tensor slots, Tensor index, Tensor positions, std::optional<Tensor> mask, int64_t head_no,
+                 bool last) {
     const int64_t n = ids.numel();
     TORCH_CHECK(n > 0, "a forward needs at least one row");
     for (const Tensor* t : {&ids, &slots, &index, &positions})
@@ -576,13 +578,14 @@ struct DraftStep : torch::CustomClassHolder {
       for (int64_t r = 0; r < n; ++r)
         TORCH_CHECK(mk[r * mask_stride + ix[r]], "row ", r, ": the mask hides the row's own index ", ix[r]);
     }
-    if (k_cache.scalar_type() == at::kBFloat16) return run<uint16_t>(n, id, sl, ix, ps, mk, mask_stride, head[head_no]);
-    return run<float>(n, id, sl, ix, ps, mk, mask_stride, head[head_no]);
+    if (k_cache.scalar_type() == at::kBFloat16)
+      return run<uint16_t>(n, id, sl, ix, ps, mk, mask_stride, head[head_no], last);
+    return run<float>(n, id, sl, ix, ps, mk, mask_stride, head[head_no], last);
   }
 
   template <typename T>
   Tensor run(int64_t n, const int64_t* id, const int64_t* sl, const int64_t* ix, const int64_t* ps, const bool* mk,
-             int64_t mask_stride, const Proj& out_head) {
+             int64_t mask_stride, const Proj& out_head, bool last) {
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
     const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * d, half = d / 2;
     const int64_t max_tokens = k_cache.size(3);
@@ -600,7 +603,8 @@ struct DraftStep : torch::CustomClassHolder {
     Tensor att = at::empty({n, heads * d}, f32), act = at::empty({n, inter}, f32);
     Tensor att_b = att_bf16 ? at::empty({n, heads * d}, at::kBFloat16) : Tensor();
     Tensor act_b = act_bf16 ? at::empty({n, inter}, at::kBFloat16) : Tensor();
-    Tensor logits = at::empty({n, out_head.out}, f32);
+    const int64_t n_out = last ? 1 : n, first_out = n - n_out;  // rows the head computes: all, or the last
+    Tensor logits = at::empty({n_out, out_head.out}, f32);
     float* hd = h.data_ptr<float>();
     float* qd = qkv.data_ptr<float>();
     float* ad = att.data_ptr<float>();
@@ -626,7 +630,7 @@ struct DraftStep : torch::CustomClassHolder {
     int64_t keys_total = 0;
     for (int64_t r = 0; r < n; ++r) keys_total += ix[r] + 1;
     // a step worth less than this many multiply-adds runs on one thread (waking another costs more)
-    int64_t macs = out_head.out * out_head.in * n + keys_total * heads * d * 2 * layers;
+    int64_t macs = out_head.out * out_head.in * n_out + keys_total * heads * d * 2 * layers;
     for (const Layer& ly : L)
       for (const Proj& p : ly.proj) macs += p.out * p.in * n;
     const int team_wanted = macs < (1 << 20) ? 1 : static_cast<int>(at::get_num_threads());
@@ -651,7 +655,7 @@ struct DraftStep : torch::CustomClassHolder {
         for (int64_t r = 0; r < n; ++r) rms_norm_row(hd + r * hidden, w, hidden, feps, xd + r * hidden);
         if (bf16) to_bf16(xd, n * hidden, xbd);
       };
-      // rows [a, b) of p's output for every row of x into y [n, b - a], bias added
+      // rows [a, b) of p's output for every row of `in` into y [rows of in, b - a], bias added
       auto product = [&](const Proj& p, const Tensor& in, int64_t a, int64_t b) {
         if (a >= b) return;
         if (p.codes.defined())
@@ -660,7 +664,7 @@ struct DraftStep : torch::CustomClassHolder {
           hetero_run_cpu::dense_linear_rows(in, p.w, a, b, yd);
         if (p.bias.defined()) {
           const float* bd = p.bias.data_ptr<float>();
-          for (int64_t r = 0; r < n; ++r)
+          for (int64_t r = 0; r < in.size(0); ++r)
             for (int64_t e = a; e < b; ++e) yd[r * (b - a) + e - a] += bd[e];
         }
       };
@@ -755,10 +759,12 @@ struct DraftStep : torch::CustomClassHolder {
         tm.barrier(ahead_of(next, share(next.out, tm)));
       }
       failure.guard([&] {
-        normed(norm.data_ptr<float>(), out_head.bf16_x);
+        for (int64_t r = first_out; r < n; ++r)
+          rms_norm_row(hd + r * hidden, norm.data_ptr<float>(), hidden, feps, xd + (r - first_out) * hidden);
+        if (out_head.bf16_x) to_bf16(xd, n_out * hidden, xbd);
         const auto [a, b] = share(out_head.out, tm);
-        product(out_head, out_head.bf16_x ? xb : x, a, b);
-        for (int64_t r = 0; r < n; ++r)
+        product(out_head, out_head.bf16_x ? xb.narrow(0, 0, n_out) : x.narrow(0, 0, n_out), a, b);
+        for (int64_t r = 0; r < n_out; ++r)
           std::memcpy(ld + r * out_head.out + a, yd + r * (b - a), (b - a) * sizeof(float));
       });
     }

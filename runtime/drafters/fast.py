@@ -42,16 +42,18 @@ class FastDraftModel:
         return self.network.prune_head(rows)
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, parents: torch.Tensor | None = None, head=None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, parents: torch.Tensor | None = None, head=None,
+                last: bool = False) -> torch.Tensor:
         self.network.table.check(self.slot, self.generation)
         if parents is None:
             if self.tree is not None:
                 raise ValueError("a chain forward inside an open tree: truncate first")
-            return self.network.chain(self.slot, ids, head)
+            return self.network.chain(self.slot, ids, head, last)
         if self.tree is None:
             self.tree = TreeState(self.length)
         positions, mask = self.tree.add(parents.tolist())  # [n], [n, base + nodes]
-        return self.network.tree(self.slot, ids, positions, mask, head)
+        logits = self.network.tree(self.slot, ids, positions, mask, head)
+        return logits[-1:] if last else logits
 
     def truncate(self, length: int) -> None:
         self.network.table.check(self.slot, self.generation)

@@ -36,7 +36,7 @@ class HFDraftModel:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, parents: torch.Tensor | None = None,
-                head: torch.Tensor | None = None) -> torch.Tensor:
+                head: torch.Tensor | None = None, last: bool = False) -> torch.Tensor:
         n = ids.numel()
         if parents is None:
             if self.tree is not None:
@@ -53,6 +53,8 @@ class HFDraftModel:
             attention_mask=mask, cache=self.cache, use_cache=True,
         ).last_hidden_state[0]  # [n, hidden]
         self.length += n
+        if last:
+            hidden = hidden[-1:]
         logits = F.linear(hidden, self.head if head is None else head).float()  # [n, vocab or rows]
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -151,9 +153,9 @@ class _SlotModel(HFDraftModel):
         super().__init__(network.model, network._pruned)
         self.network, self.slot, self.generation = network, slot, network.table.generation[slot]
 
-    def forward(self, ids, parents=None, head=None):
+    def forward(self, ids, parents=None, head=None, last=False):
         self.network.table.check(self.slot, self.generation)
-        logits = super().forward(ids, parents, head)
+        logits = super().forward(ids, parents, head, last)
         self.network.table.lengths[self.slot] = self.length
         return logits
 

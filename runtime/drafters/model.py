@@ -28,8 +28,10 @@ class DraftModel(Protocol):
     length: int  # tokens in the KV cache
     vocab_size: int  # rows of the full head
 
-    def forward(self, ids: torch.Tensor, parents: torch.Tensor | None = None, head=None) -> torch.Tensor:
-        """`head`: from `prune_head` (logits [n, len(rows)]); None = the full head."""
+    def forward(self, ids: torch.Tensor, parents: torch.Tensor | None = None, head=None,
+                last: bool = False) -> torch.Tensor:
+        """`head`: from `prune_head` (logits [n, len(rows)]); None = the full head. `last`: only
+        the last row's logits are wanted ([1, ...]; a model may skip the head for the others)."""
         ...
 
     def truncate(self, length: int) -> None: ...

@@ -115,14 +115,15 @@ class DraftNetwork:
         self.table.commit(spans)
         return logits
 
-    def chain(self, slot: int, ids: torch.Tensor, head: DraftHead | None = None) -> torch.Tensor:
-        """ids [n] appended to one slot -> logits [n, vocab] (the single-sequence fast path)."""
+    def chain(self, slot: int, ids: torch.Tensor, head: DraftHead | None = None, last: bool = False) -> torch.Tensor:
+        """ids [n] appended to one slot -> logits [n, vocab] (the single-sequence fast path), or
+        [1, vocab] after the last one alone (`last`: the head runs on that row only)."""
         self.table.check(slot)
         start, n = self.table.lengths[slot], ids.numel()
         self._room({slot: (start, start + n)})
         index = torch.arange(start, start + n)
         logits = self.step.forward(ids.reshape(-1).long(), torch.full((n,), slot, dtype=torch.long), index, index,
-                                   None, 0 if head is None else head.number)
+                                   None, 0 if head is None else head.number, last)
         self.table.lengths[slot] = start + n
         return logits
 

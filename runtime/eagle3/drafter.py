@@ -112,8 +112,9 @@ class Eagle3Drafter:
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, parents: torch.Tensor | None = None,
-                head: torch.Tensor | None = None) -> torch.Tensor:
-        """Append target tokens ids [n] -> logits [1, vocab] after the last one (see the module doc)."""
+                head: torch.Tensor | None = None, last: bool = False) -> torch.Tensor:
+        """Append target tokens ids [n] -> logits [1, vocab] after the last one (see the module doc;
+        always the last row alone, whatever `last`)."""
         if parents is not None:
             raise ValueError("an EAGLE-3 head drafts chains; tree forwards are not supported")
         before = len(self.tokens)

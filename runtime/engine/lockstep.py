@@ -109,7 +109,9 @@ class LockstepView:
     def truncate(self, length: int) -> None:
         self.view.truncate(length)
 
-    def forward(self, ids: torch.Tensor, parents: torch.Tensor | None = None, head=None) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, parents: torch.Tensor | None = None, head=None,
+                last: bool = False) -> torch.Tensor:
         if parents is not None or not self.lockstep.active or getattr(self.view, "tree", None) is not None:
-            return self.view.forward(ids, parents, head)  # trees (SLRS) and lone calls run at once
-        return self.lockstep.ask(self.view, ids, head)
+            return self.view.forward(ids, parents, head, last)  # trees (SLRS) and lone calls run at once
+        logits = self.lockstep.ask(self.view, ids, head)  # a batched forward's rows: the head ran on all
+        return logits[-1:] if last else logits

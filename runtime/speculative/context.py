@@ -71,7 +71,7 @@ class DraftContext:
         new = self.ids[n:]
         begin = time.perf_counter()
         with drafter_threads(self.threads):
-            logits = self.model.forward(torch.tensor(new, dtype=torch.long), head=head)[-1]
+            logits = self.model.forward(torch.tensor(new, dtype=torch.long), head=head, last=True)[-1]
         self.last_catch_up = (len(new), time.perf_counter() - begin)
         self.cached += new
         self._valid = len(self.cached)

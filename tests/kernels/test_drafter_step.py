@@ -165,6 +165,22 @@ def test_an_extra_head_computes_its_rows(compiled):
         step.forward(*rows((6, 0, 2)), head=1)
 
 
+@pytest.mark.parametrize("compiled", [pytest.param(True, marks=needs_compiled), False], ids=["compiled", "reference"])
+@pytest.mark.parametrize("kind, shape", [("nvfp4", TINY), ("bf16", WIDE)])
+def test_last_gives_the_last_rows_logits_alone(compiled, kind, shape):
+    """A prompt or a catch-up wants only its last row's logits: the head runs on that row, the
+    layers on all (the cache is the full forward's), and the row has the full forward's bits."""
+    weights = tiny_weights(kind, qkv_bias=True, seed=6, shape=shape)
+    full, last = make_step(weights, compiled=compiled, shape=shape), make_step(weights, compiled=compiled, shape=shape)
+    for script in SCRIPT:
+        if len({slot for _, slot, _ in script}) > 1:
+            continue  # `last` serves one sequence's chain
+        want = full.forward(*rows(*script))[-1:]
+        got = last.forward(*rows(*script), last=True)
+        assert got.shape == (1, shape.vocab) and torch.equal(got, want)
+    assert torch.equal(full.k_cache, last.k_cache) and torch.equal(full.v_cache, last.v_cache)
+
+
 @needs_compiled
 @pytest.mark.parametrize("kind, qkv_bias, qk_norm", [("fp32", True, True), ("bf16", False, False),
                                                      ("nvfp4", True, False)])
