@@ -643,13 +643,20 @@ struct DraftStep : torch::CustomClassHolder {
 #pragma omp parallel num_threads(team_wanted) if (team_wanted > 1)
     {
       const Team tm = this_team();
-      Tensor x = at::empty({n, hidden}, f32);  // this thread's normed copy of h
-      Tensor xb = at::empty({n, hidden}, at::kBFloat16);
-      Tensor y = at::empty({n, (widest_out + tm.size - 1) / tm.size + 16}, f32);  // this thread's rows of a product
-      float* xd = x.data_ptr<float>();
-      uint16_t* xbd = reinterpret_cast<uint16_t*>(xb.data_ptr());
-      float* yd = y.data_ptr<float>();
-      std::vector<float> rotated(d), scores;
+      Tensor x, xb, y;  // this thread's normed copy of h (float32, bf16) and its rows of a product
+      float* xd = nullptr;
+      uint16_t* xbd = nullptr;
+      float* yd = nullptr;
+      std::vector<float> rotated, scores;
+      failure.guard([&] {  // a failed allocation skips every phase, not a barrier
+        x = at::empty({n, hidden}, f32);
+        xb = at::empty({n, hidden}, at::kBFloat16);
+        y = at::empty({n, (widest_out + tm.size - 1) / tm.size + 16}, f32);  // a share is at most 16 rows over even
+        xd = x.data_ptr<float>();
+        xbd = reinterpret_cast<uint16_t*>(xb.data_ptr());
+        yd = y.data_ptr<float>();
+        rotated.resize(d);
+      });
       // x = norm(h) for every row (each thread its own copy: no barrier), rounded to bf16 when p wants it
       auto normed = [&](const float* w, bool bf16) {
         for (int64_t r = 0; r < n; ++r) rms_norm_row(hd + r * hidden, w, hidden, feps, xd + r * hidden);
