@@ -45,6 +45,10 @@ class Listeners:
         for t in self._threads:
             t.start()
 
+    def arrived(self) -> list[tuple[int, str, str]]:
+        with self._lock:
+            return list(self.arrivals)
+
     @property
     def ports(self) -> list[int]:
         return [s.getsockname()[1] for s in self._socks]
@@ -62,11 +66,16 @@ class Listeners:
                 conn.settimeout(self._timeout_s)
                 try:
                     hello = conn.recv(64).decode(errors="replace").strip()
-                    conn.sendall(f"ok {self.rank} {k}\n".encode())
                 except OSError:
                     hello = ""
-            with self._lock:
-                self.arrivals.append((k, addr, hello))
+                # recorded before the reply: a peer that has its answer (and then meets this
+                # rank at the all_gather) finds its arrival here, however late this thread runs
+                with self._lock:
+                    self.arrivals.append((k, addr, hello))
+                try:
+                    conn.sendall(f"ok {self.rank} {k}\n".encode())
+                except OSError:
+                    pass
 
     def close(self) -> None:
         self._stop.set()
@@ -103,7 +112,7 @@ def link_checks(
             if peer_rank == rank:
                 continue
             for k, (mine, theirs) in enumerate(zip(node.interfaces, peer.interfaces, strict=True)):
-                got = [(addr, hello) for kk, addr, hello in listeners.arrivals
+                got = [(addr, hello) for kk, addr, hello in listeners.arrived()
                        if kk == k and hello == f"{peer_rank} {k}"]
                 name = f"{mine.name} <- {peer.host} {theirs.ip}"
                 field = f"nodes[{peer_rank}].interfaces[{k}]"
