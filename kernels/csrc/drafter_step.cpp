@@ -312,7 +312,7 @@ struct Ahead {
   const char* at[3] = {nullptr, nullptr, nullptr};
   int64_t bytes[3] = {0, 0, 0};
 };
-constexpr int64_t kAheadBytes = 2048;  // the window the kernels prefetch ahead of their group loop
+using hetero_run_cpu::kAheadBytes;  // the window the kernels prefetch ahead of their group loop
 
 struct Team {
   int id = 0, size = 1;
@@ -647,7 +647,7 @@ struct DraftStep : torch::CustomClassHolder {
       float* xd = nullptr;
       uint16_t* xbd = nullptr;
       float* yd = nullptr;
-      std::vector<float> rotated, scores;
+      std::vector<float> rotated, scores, gate;
       failure.guard([&] {  // a failed allocation skips every phase, not a barrier
         x = at::empty({n, hidden}, f32);
         xb = at::empty({n, hidden}, at::kBFloat16);
@@ -657,10 +657,11 @@ struct DraftStep : torch::CustomClassHolder {
         yd = y.data_ptr<float>();
         rotated.resize(d);
       });
-      // x = norm(h) for every row (each thread its own copy: no barrier), rounded to bf16 when p wants it
-      auto normed = [&](const float* w, bool bf16) {
-        for (int64_t r = 0; r < n; ++r) rms_norm_row(hd + r * hidden, w, hidden, feps, xd + r * hidden);
-        if (bf16) to_bf16(xd, n * hidden, xbd);
+      // x = norm(h) for rows first .. n - 1 of h (each thread its own copy: no barrier), rounded
+      // to bf16 when the product wants it
+      auto normed = [&](const float* w, bool bf16, int64_t first = 0) {
+        for (int64_t r = first; r < n; ++r) rms_norm_row(hd + r * hidden, w, hidden, feps, xd + (r - first) * hidden);
+        if (bf16) to_bf16(xd, (n - first) * hidden, xbd);
       };
       // rows [a, b) of p's output for every row of `in` into y [rows of in, b - a], bias added
       auto product = [&](const Proj& p, const Tensor& in, int64_t a, int64_t b) {
@@ -745,7 +746,7 @@ struct DraftStep : torch::CustomClassHolder {
           const int64_t w = b - a;
           if (w > 0) {
             product(pgu, in, a, b);  // gate rows into y [n, w]
-            std::vector<float> gate(yd, yd + n * w);
+            gate.assign(yd, yd + n * w);
             product(pgu, in, li + a, li + b);  // up rows
             for (int64_t r = 0; r < n; ++r) {
               float* dst = actd + r * li + a;
@@ -766,9 +767,7 @@ struct DraftStep : torch::CustomClassHolder {
         tm.barrier(ahead_of(next, share(next.out, tm)));
       }
       failure.guard([&] {
-        for (int64_t r = first_out; r < n; ++r)
-          rms_norm_row(hd + r * hidden, norm.data_ptr<float>(), hidden, feps, xd + (r - first_out) * hidden);
-        if (out_head.bf16_x) to_bf16(xd, n_out * hidden, xbd);
+        normed(norm.data_ptr<float>(), out_head.bf16_x, first_out);
         const auto [a, b] = share(out_head.out, tm);
         product(out_head, out_head.bf16_x ? xb.narrow(0, 0, n_out) : x.narrow(0, 0, n_out), a, b);
         for (int64_t r = 0; r < n_out; ++r)

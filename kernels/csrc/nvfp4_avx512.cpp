@@ -26,6 +26,7 @@
 #include <utility>
 
 #include "cpu_kernels.h"
+#include "linear_rows.h"
 
 #if HR_X86
 #include "rows_avx512.h"
@@ -204,9 +205,8 @@ void permute_x(const X* x, int64_t n, const Groups& L, X* xp, bool split_words) 
 }
 
 // The hardware prefetchers fall short of the memory's bandwidth on streams this compute-heavy:
-// each weight row asks for its codes kAheadBytes ahead of the group being decoded, and for its
-// scales as far ahead in their own (8 times slower) stream.
-constexpr int64_t kAheadBytes = 2048;
+// each weight row asks for its codes kAheadBytes (linear_rows.h) ahead of the group being
+// decoded, and for its scales as far ahead in their own (8 times slower) stream.
 
 // Every part of a block's group loop is inlined into the block: a call would pass the R x N
 // accumulators through memory.
