@@ -4,12 +4,22 @@
 // For one x row (a decode step) each thread walks its output rows one weight row at a time, so
 // its weights arrive as one sequential stream: the hardware prefetchers keep such a stream at
 // the memory's bandwidth, while several rows read side by side, 1-2 KiB apart, fall well short
-// of it (about 31 against 22 GB/s on a 2-core Zen 4). Up to four rows of x meet each weight row
-// while it sits in L1, so the weights stream once. With more rows of x, or once x no longer fits
-// in half of L1 (a long verify, a prefill chunk) four weight rows share each load of x (three x
-// rows each load of a weight row), 64 weight rows stay in
-// L2 while chunks of x rows that fit L1 pass over them. The order of each (weight row, x row)
-// sum is dot_block's in every case.
+// of it (about 31 against 22 GB/s on a 2-core Zen 4).
+//
+// A few rows of x (a speculative verify, a batch of decode rows: 2..16 rows that fit in L1 beside
+// two weight rows) are "staged": each pair of weight rows is first copied into an L1 buffer, then
+// meets the rows of x in pieces of at most five (2 x 5 pairs, 20 accumulators: 7 loads per 10
+// dot products). The copy reads the pair as one sequential burst of independent loads, which
+// keeps many misses in flight at once; dot products reading the weights straight from memory
+// leave it nearly idle while they compute (computing and reading did not overlap: 5 rows cost
+// 1.6-2.0x one row on the lm_head that way, staged 1.0-1.1x). With more than one piece the
+// compute per pair outlasts the copy's head start, so each pair also asks for the pair two ahead
+// in L2 (`prefetcht1`; 9 rows: 1.4-1.5x instead of 2.0-2.7x).
+//
+// With more rows of x, or once they no longer fit in L1 (a long verify, a prefill chunk, wide
+// layers) four weight rows share each load of x (three x rows each load of a weight row), 64
+// weight rows stay in L2 while chunks of x rows that fit L1 pass over them. The order of each
+// (weight row, x row) sum is dot_block's in every case.
 #include "cpu_kernels.h"
 
 #if HR_X86
@@ -19,10 +29,15 @@ namespace hetero_run_cpu {
 namespace {
 
 constexpr int64_t kBlockedAbove = 16 << 10;  // bytes of x: half of L1
-// Rows of x one pass of a weight row takes (rows_times_x<T, 1, 4>); more would read each weight
-// row several times from L1 with few accumulators: 9 rows cost 1.5-2.2x one row that way against
-// 1.5-1.9x from L2 in the blocked path (A/B in one process, both cores, every TP=1 shape).
+// Rows of x one pass of a weight row takes (rows_times_x<T, 1, 4>) when they are not staged;
+// more would read each weight row several times from L1 with few accumulators.
 constexpr int64_t kOnePass = 4;
+
+// Staged rows of x: at most 16, and with the staged pair of weight rows within L1's 32 KiB.
+constexpr int64_t kStagedRows = 16;
+constexpr int64_t kStagedBytes = 32 << 10;
+constexpr int64_t kPiece = 5;       // rows of x per dot_block<T, 2, G> (G <= 5)
+constexpr int64_t kPairsAhead = 2;  // the pair prefetched into L2 when a pair takes several pieces
 
 // Blocks for many rows of x: 64 weight rows (kept in L2) against chunks of x rows that fit half
 // of L1, four weight rows by four x rows at a time (dot_block_phased).
@@ -34,13 +49,51 @@ void prefetch_rows(const W* rows, int64_t count, int64_t row_bytes) {
   for (int64_t b = 0; b < count * row_bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T1);
 }
 
+// Output rows r0 .. r1 - 1 against n rows of x, two weight rows at a time, each pair copied to
+// an L1 buffer first (see the top of the file); the pieces split n as evenly as possible (9: 5 + 4).
+template <typename T>
+void staged_rows(const typename T::W* w, int64_t in, const typename T::X* x, int64_t n, int64_t r0, int64_t r1,
+                 float* y, int64_t out) {
+  using W = typename T::W;
+  const int64_t pair_bytes = 2 * in * static_cast<int64_t>(sizeof(W));
+  std::vector<W> storage(2 * in + 64 / sizeof(W));
+  W* buf = reinterpret_cast<W*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+  const int64_t pieces = (n + kPiece - 1) / kPiece;
+  int64_t r = r0;
+  for (; r + 2 <= r1; r += 2) {
+    std::memcpy(buf, w + r * in, pair_bytes);
+    if (pieces > 1 && r + 2 * kPairsAhead + 2 <= r1) {
+      const char* ahead = reinterpret_cast<const char*>(w + (r + 2 * kPairsAhead) * in);
+      for (int64_t b = 0; b < pair_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
+    }
+    int64_t i0 = 0;
+    for (int64_t p = 0; p < pieces; ++p) {
+      const int64_t g = (n - i0) / (pieces - p);
+      const typename T::X* xs = x + i0 * in;
+      float* ys = y + i0 * out + r;
+      switch (g) {
+        case 5: dot_block<T, 2, 5>(buf, in, xs, in, in, nullptr, ys, out); break;
+        case 4: dot_block<T, 2, 4>(buf, in, xs, in, in, nullptr, ys, out); break;
+        case 3: dot_block<T, 2, 3>(buf, in, xs, in, in, nullptr, ys, out); break;
+        case 2: dot_block<T, 2, 2>(buf, in, xs, in, in, nullptr, ys, out); break;
+        default: dot_block<T, 2, 1>(buf, in, xs, in, in, nullptr, ys, out); break;
+      }
+      i0 += g;
+    }
+  }
+  for (; r < r1; ++r) rows_times_x<T, 1, 4>(w + r * in, in, x, in, n, in, r, nullptr, y, out);
+}
+
 template <typename T>
 void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const typename T::W* w, int64_t out, float* y) {
   const int64_t x_row = in * static_cast<int64_t>(sizeof(typename T::X));
   const int64_t grain = grain_rows(in * static_cast<int64_t>(sizeof(typename T::W)));
   const bool blocked = n > kOnePass || (n > 1 && n * x_row > kBlockedAbove);
   const int64_t x_chunk = std::max<int64_t>(4, (512 << 10) / x_row / 4 * 4);
+  const int64_t pair_bytes = 2 * in * static_cast<int64_t>(sizeof(typename T::W));
+  const bool staged = n > 1 && n <= kStagedRows && n * x_row + pair_bytes <= kStagedBytes;
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
+    if (staged) return staged_rows<T>(w, in, x, n, r0, r1, y, out);
     if (!blocked) {
       for (int64_t r = r0; r < r1; ++r) rows_times_x<T, 1, 4>(w + r * in, in, x, in, n, in, r, nullptr, y, out);
       return;

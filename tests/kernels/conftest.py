@@ -16,12 +16,15 @@ def library(request, monkeypatch):
 
 def runnable(isa: cpu_isa.Isa) -> str | None:
     """Why `isa`'s kernels cannot be tested here, or None: every path the CPU supports is tested
-    (forced through the ops' `path` argument), the others are skipped with the reason."""
+    (forced through the ops' `path` argument), the others are skipped with the reason. A path
+    whose self-test ran and gave wrong results is a bug in it, not a reason to skip: that fails."""
     if cpu_ext.ops() is None:
         return "the compiled kernels do not build here"
     if isa.feature and not cpu_ext.supported_features() & isa.feature:
         return f"this CPU has no {isa.label} (CPUID / OS)"
     verdict = cpu_isa._verdicts(cpu_ext.supported_features()).get(isa.name, "ok") if isa.feature else "ok"
+    if verdict.startswith("gave wrong results"):
+        pytest.fail(f"{isa.label}: its self-test {verdict}")
     if verdict != "ok":
         return f"{isa.label} is listed by CPUID but its self-test {verdict}"
     return None

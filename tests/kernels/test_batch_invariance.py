@@ -14,8 +14,10 @@ from hetero_run.kernels.nvfp4_linear import nvfp4_linear
 FALLBACK_ROWS = (2, 3, 8, 9, 16, 17, 25, VERIFY_MAX_ROWS)
 COMPILED_ROWS = (2, 3, 4, 5, 8, 9, 16, 17, 25, VERIFY_MAX_ROWS, 33, 64, 130)
 # in % 32 == 0 and not (NVFP4 needs in % 16 == 0); 1040 inputs: x no longer fits in half of L1
-# from a few rows on, and the dense kernel reads weight rows four at a time (26: and one by one)
-SHAPES = [(96, 256), (72, 80), (40, 112), (26, 1040)]
+# from a few rows on, and the dense kernel reads weight rows four at a time (26: and one by one);
+# 75 x 896: up to 16 rows of x staged against pairs of weight rows, each thread's range of odd
+# length (its last row alone)
+SHAPES = [(96, 256), (72, 80), (40, 112), (26, 1040), (75, 896)]
 DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16),
           (torch.bfloat16, torch.float32)]
 
