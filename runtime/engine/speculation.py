@@ -8,11 +8,23 @@ sequence proposes its rows (`plan`); after it, each verifies its own rows' logit
 (`verify`), exactly the round the one-sequence driver runs.
 
 How much to draft: each sequence's cost model weighs expected tokens against measured cost,
-and the cost it is told is its share of the step. A step of R rows over S sequences takes
-t(R) = a + b R (fitted online); a sequence whose rows are r is charged a / S + b r. Alone, it
-pays the whole fixed cost a (reading every weight) for its first row, so extra verify rows are
-nearly free and drafts pay; among many, its share of a shrinks, every extra row costs b, and
-its drafts shrink toward none as the batch grows.
+and the cost it is told is its share of the coming step. Steps are timed by their rows: t(R),
+per row count R (interpolated between counts, extended beyond them along a fitted line). A
+step whose S sequences bring B rows without drafts (one per decoding sequence, the prefill
+chunks) costs t(B); a sequence that verifies r rows in it is charged
+
+    t(B) / S + t(B + r - 1) - t(B)
+
+its even share of the step as it stands plus what its extra rows add. Drafting then pays when
+the tokens it is expected to add per second it adds exceed the step's tokens per second, the
+rule that maximises the whole step's output. Alone (S = B = 1) that is t(r), the forward of r
+rows: the first row pays for reading every weight and a few more are nearly free, so drafts
+pay; among many, a sequence's share of t(B) shrinks while extra rows cost what they add (from
+about five rows on, every row costs compute on the CPU), and drafts shrink toward none as the
+batch grows. Each plan uses the table as measured up to that step, so a row count measured
+once under other load is corrected as soon as steps of that size run again. The per-sequence
+figures kept for the one-sequence driver (`shares`, the step split into a fixed part and
+per-row parts by a fitted line) are still recorded.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from hetero_run.runtime.driver import SpeculativeEngine
 from hetero_run.runtime.engine.lockstep import Lockstep
 from hetero_run.runtime.speculative.adaptive import _Line
 from hetero_run.runtime.speculative.config import MODEL_FREE, SpeculationConfig
+from hetero_run.runtime.speculative.cost import VerifyCost
 from hetero_run.runtime.speculative.round import RoundPlan, Verdict
 
 log = logging.getLogger("hetero_run.runtime.engine.speculation")
@@ -79,6 +92,7 @@ class Speculation:
         self.slots = DrafterSlots(drafter if config.algorithm not in ("none", *MODEL_FREE) else None)
         self.views: dict[int, object] = {}  # sequence number -> its drafter view
         self.step_cost = _Line()  # a step's seconds over its rows
+        self.step_seconds = VerifyCost()  # a step's seconds by its row count
 
     @property
     def algorithm(self) -> str:
@@ -96,6 +110,14 @@ class Speculation:
 
     def measured_step(self, rows: int, seconds: float) -> None:
         self.step_cost.add(rows, seconds)
+        self.step_seconds.record(rows, seconds)
+
+    def verify_estimate(self, base_rows: int, sequences: int):
+        """Seconds that r verify rows cost one of `sequences` sequences in a step whose rows
+        without drafts are `base_rows`: its share of that step plus what its extra rows add."""
+        t = self.step_seconds
+        base = t(base_rows)
+        return lambda rows: base / sequences + max(0.0, t(base_rows + rows - 1) - base)
 
     def shares(self, rows: list[int], seconds: float) -> list[float]:
         """The step's seconds split over its sequences: the fixed part evenly, the rest by rows."""
@@ -152,11 +174,14 @@ class Speculation:
                 deciding.append(i)  # not a prompt chunk, nor the prompt's last row (`first` decides that one)
         if not deciding:
             return {}
-        budget = scheduler.max_num_batched_tokens - sum(item.rows for item in scheduled)
+        base_rows = sum(item.rows for item in scheduled)
+        budget = scheduler.max_num_batched_tokens - base_rows
         # rows each may add past its own blocks: whole free blocks each, within the step's budget
         share = min(budget // len(deciding), blocks.num_free // len(deciding) * blocks.block_size)
+        estimate = self.verify_estimate(base_rows, len(scheduled))
         for i in deciding:
             item = scheduled[i]
+            item.seq.speculation.verify_estimate = estimate
             own = item.seq.table.capacity(blocks.block_size) - (item.seq.computed + item.rows)
             item.seq.speculation.room_cap = 1 + (own + share if item.rows == 1 else 0)  # a recompute: one token
         run = self.slots.lockstep.run if self.slots.lockstep is not None else (lambda jobs: [j() for j in jobs])

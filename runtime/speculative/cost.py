@@ -182,13 +182,15 @@ class CostModel:
 
     # -- the choice -----------------------------------------------------------------------------
     def choose(self, modelfree: list[tuple[int, float]], model: bool, tree: bool, pending: int = 0,
-               k_range: tuple[int, int] | None = None, allow_none: bool = True, max_rows: int = 32) -> Choice:
+               k_range: tuple[int, int] | None = None, allow_none: bool = True, max_rows: int = 32,
+               verify=None) -> Choice:
         """modelfree: (depth, reach) of the model-free nodes in the order they would be added
         (most likely first, parents before children); model: the drafter may run, with k in
-        k_range (default min_draft_len..max_draft_len, or not at all)."""
+        k_range (default min_draft_len..max_draft_len, or not at all); verify: seconds of n verify
+        rows when the caller knows better than this model's forwards (a batching engine: the
+        sequence's share of its step)."""
         self.rounds += 1
-        verify = self.tree_verify if tree else self.verify
-        v = verify  # seconds by rows, estimated once per measurement
+        v = verify or (self.tree_verify if tree else self.verify)  # seconds by rows
         a = min(self.acceptance.prob(MODEL, 0), 0.995)
         per_unit = self.rows_per_unit.value
         best_model = None  # (rate, k, rows, expected, seconds): the drafter's chain alone
@@ -244,10 +246,11 @@ class CostModel:
             self.last_model_round = self.rounds
         return best
 
-    def summary(self) -> str:
+    def summary(self, verify=None) -> str:
         cells = ", ".join(f"{'model' if s == MODEL else 'ngram' if s == 2 else 'suffix'}[{b}] {m.value:.2f}"
                           for (s, b), m in sorted(self.acceptance.cells.items()))
-        return (f"verify 1 row {1e3 * self.verify(1):.1f} ms, 8 rows {1e3 * self.verify(8):.1f} ms; "
+        v, what = (verify, "share of the step") if verify else (self.verify, "verify")
+        return (f"{what}: 1 row {1e3 * v(1):.1f} ms, 8 rows {1e3 * v(8):.1f} ms; "
                 f"acceptance {cells or 'not measured'}")
 
 

@@ -54,6 +54,9 @@ class SpeculativeSequence:
         self.engine, self.config, self.max_new_tokens = engine, engine.config, max_new_tokens
         self.drafter_model = drafter_model
         self.room_cap: int | None = None  # rows the next round may verify, set by a batching engine
+        # what n verify rows cost this sequence in the coming step, set by a batching engine (its
+        # share of the step); None: the cost model's own figures for forwards of n rows
+        self.verify_estimate = None
         pairing = engine.pairing
         self.sampling, self.verifier = sampling, verifier
         self.generator = verifier.generator
@@ -194,13 +197,14 @@ class SpeculativeSequence:
             return self._label(self._empty(), "none")
         pending = self.session.context.pending_tokens + len(self.unsynced) if self.session.context is not None else 0
         if self.config.adaptive or policy == "auto":
-            choice = self.cost.choose(figures, use_model, self.trees, pending, k_range, policy != "modelfree", room)
+            choice = self.cost.choose(figures, use_model, self.trees, pending, k_range, policy != "modelfree", room,
+                                      verify=self.verify_estimate)
         else:  # fixed sizes: the drafter's k and every model-free candidate that fits
             k = k_range[0] if k_range else 0
             choice = Choice(k, len(figures), 0.0, 1.0, 0)
         if log.isEnabledFor(logging.DEBUG):
             log.debug("round %d: %d model-free nodes, %s -> %s (%.2f tokens expected, %.1f tok/s)",
-                      len(self.labels) + 1, len(order), self.cost.summary(),
+                      len(self.labels) + 1, len(order), self.cost.summary(self.verify_estimate),
                       choice.label(self.model_name or "drafter"), choice.expected, choice.rate)
         if choice.k:
             self.k = self._model_k(choice.k, room)

@@ -55,7 +55,13 @@ def _request(i, prompt):
 
 @pytest.mark.parametrize("algorithm, drafter", [("slem", "sentencepiece"), ("tli", "trailing_space"),
                                                 ("standard", "same"), ("auto", "sentencepiece")])
-def test_speculating_among_other_requests_keeps_every_output_the_targets(algorithm, drafter):
+def test_speculating_among_other_requests_keeps_every_output_the_targets(algorithm, drafter, monkeypatch):
+    from hetero_run.runtime.speculative.cost import CostModel
+
+    priced = []  # auto: each round's rows are priced as a share of the step it joins
+    choose = CostModel.choose
+    monkeypatch.setattr(CostModel, "choose", lambda self, *a, **kw: priced.append(kw.get("verify")) or
+                        choose(self, *a, **kw))
     engine = _engine(algorithm, drafter)
     tokens, finals = {}, {}
 
@@ -74,6 +80,8 @@ def test_speculating_among_other_requests_keeps_every_output_the_targets(algorit
         assert tuple(tokens[f"r{i}"]) == reference(prompt), (algorithm, prompt)
     if algorithm != "auto":
         assert sum(f.speculation.draft_tokens for f in finals.values()) > 0
+    else:
+        assert priced and all(verify is not None for verify in priced)
     assert engine.speculation.free_slots == 1, "the drafter slot came back"
     assert engine.blocks.num_free == engine.blocks.num_blocks
 

@@ -105,3 +105,39 @@ def test_a_sequence_drafts_fewer_rows_the_more_sequences_share_its_steps():
         rows.append(cost.choose(chain, model=False, tree=True).m)
     assert rows[0] > rows[1] > rows[2], rows
     assert rows[2] <= 1, rows
+
+
+def _step_seconds(rows: int) -> float:
+    """A step: 40 ms of weights, 2 ms a row."""
+    return 0.040 + 0.002 * (rows - 1)
+
+
+def test_a_batched_sequence_prices_its_rows_from_the_step_it_joins():
+    """engine.speculation: in a step of S sequences bringing B rows without drafts, r verify rows
+    cost a sequence t(B) / S + t(B + r - 1) - t(B), from steps timed by their row count. Its own
+    verify figures mix steps of every batch size: a figure measured for 8 rows when 8 rows ran
+    among slower steps stays while no sequence drafts 8 rows again, and priced by it sequences
+    draft short (a server at 4 clients chose the target alone with 0.92 acceptance that way)."""
+    from hetero_run.runtime.engine.speculation import Speculation
+    from hetero_run.runtime.speculative.adaptive import _Line
+
+    planner = Speculation.__new__(Speculation)  # only its step timing is used here
+    planner.step_cost, planner.step_seconds = _Line(), VerifyCost()
+    for _ in range(3):
+        for rows in range(1, 25):
+            planner.measured_step(rows, _step_seconds(rows))
+    alone = planner.verify_estimate(1, 1)
+    assert [alone(r) for r in (1, 5, 9)] == pytest.approx([_step_seconds(r) for r in (1, 5, 9)])
+    four = planner.verify_estimate(4, 4)
+    assert four(1) == pytest.approx(_step_seconds(4) / 4)
+    assert four(8) == pytest.approx(_step_seconds(4) / 4 + _step_seconds(11) - _step_seconds(4))
+
+    stale = CostModel(CONFIG)  # its own figures: a share of 13 ms for one row, 80 ms for eight
+    for n, seconds in ((1, 0.013), (8, 0.080)):
+        for _ in range(5):
+            stale.record_verify(n, seconds, tree=False)
+    chain = [(d, 0.9 ** d) for d in range(1, 13)]
+    short = stale.choose(chain, model=False, tree=True).m
+    rows = [stale.choose(chain, model=False, tree=True, verify=planner.verify_estimate(s, s)).m for s in (1, 4, 16)]
+    assert rows[0] >= rows[1] > short, (rows, short)
+    assert rows[1] > rows[2], rows
