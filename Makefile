@@ -24,14 +24,14 @@ PAIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/hetero-run/cpu-pair
 DEMO_PROMPTS ?= bench/prompts/demo.jsonl
 
 # Speculative generation at TP=2 on this machine: NVFP4 Qwen2.5-Coder-0.5B target, SmolLM2-135M
-# drafter (another vocabulary) available to `auto`, which picks every round between the target
+# drafter (another vocabulary, NVFP4 projections) available to `auto`, which picks every round between the target
 # alone, prompt lookup / suffix trees and the drafter by measured cost; the request edits given
 # code (bench/prompts/demo.jsonl). The same prompt also runs on the target alone to report the
 # speed-up and whether the outputs are identical.
 demo: setup
 	$(BIN)/hetero-run fetch cpu-pair --dest "$(PAIR)"
 	$(MPIRUN) $(BIN)/hetero-run generate --target "$(PAIR)/qwen2.5-coder-0.5b-instruct-nvfp4" \
-		--drafter "$(PAIR)/SmolLM2-135M-Instruct.Q4_1.gguf" --algorithm auto --chat --compare \
+		--drafter "$(PAIR)/SmolLM2-135M-Instruct.Q4_1.gguf" --drafter-weights nvfp4 --algorithm auto --chat --compare \
 		--max-new-tokens 192 --prompts-file "$(DEMO_PROMPTS)"
 
 # Optional: llama-cpp-python built from its PyPI source for the peer row of bench/speculative.py.
