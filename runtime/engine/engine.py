@@ -118,13 +118,15 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return
+        planned = time.perf_counter()
         rounds = self.speculation.plan(scheduled, self.scheduler)  # rows of the sequences this step decides
         batch, spans = self._batch(scheduled, rounds)
         begin = time.perf_counter()
         logits = self.runner.step(batch)
         seconds = time.perf_counter() - begin
-        self.speculation.measured_step(batch.rows, seconds)
+        self.speculation.measured_forward(batch.rows, seconds)
         self._postprocess(scheduled, rounds, spans, logits, seconds)
+        self.speculation.measured_step(batch.rows, time.perf_counter() - planned)
         self.steps += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %d sequences, %d rows (%d of them draft rows), forward %.1f ms, step %.1f ms",
