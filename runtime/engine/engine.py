@@ -191,6 +191,7 @@ class LLMEngine:
         shares = dict(zip(deciding, self.speculation.shares(
             [scheduled[i].rows + (rounds[i].plan.k if i in rounds else 0) for i in deciding], seconds)
             if deciding else [], strict=True))
+        draft_rows, kept_tokens = [], []
         for i, item in enumerate(scheduled):
             seq = item.seq
             if spans[i] is None:  # a prefill chunk that does not reach the prompt's end
@@ -207,6 +208,8 @@ class LLMEngine:
             else:
                 verdict, new = self.speculation.verify(seq, r, rows, shares[i])
                 kept = len(verdict.rows)
+                draft_rows.append(r.plan.k)
+                kept_tokens.append(kept)
                 if not r.plan.is_chain:
                     self._keep_branch(seq, start, verdict.rows)
                 if r.plan.k:
@@ -219,6 +222,7 @@ class LLMEngine:
             if seq.first_token_at is None:
                 seq.first_token_at = now
             self._emit(seq, new)
+        self.speculation.measured_rounds(draft_rows, kept_tokens)
 
     def _keep_branch(self, seq: Sequence, start: int, rows: list[int]) -> None:
         """A tree verify kept `rows` (row 0, then the accepted path): their K/V move to the positions

@@ -8,25 +8,29 @@ sequence proposes its rows (`plan`); after it, each verifies its own rows' logit
 (`verify`), exactly the round the one-sequence driver runs.
 
 How much to draft: each sequence's cost model weighs expected tokens against measured cost,
-and the cost it is told is its share of the coming step. Steps are timed by their rows: t(R),
-per row count R (interpolated between counts, extended beyond them along a fitted line), from
-the planning of the step's rounds to the last commit (at 16 clients, with drafts, the forward
-was 95% of that; proposing, verifying and committing 16 sequences' rows grows with the rows
-too). A step whose S sequences bring B rows without drafts (one per decoding sequence, the
-prefill chunks) costs t(B); a sequence that verifies r rows in it is charged
+and the cost it is told comes from the step it joins. Steps are timed by their rows: t(R), per
+row count R (interpolated between counts, extended beyond them along a fitted line), from the
+planning of the step's rounds to the last commit (at 16 clients, with drafts, the forward was
+95% of that; proposing, verifying and committing 16 sequences' rows grows with the rows too).
+In a step whose rows without drafts are B, where the D - 1 other deciding sequences draft d
+rows and keep e tokens a round as they have lately (exponentially weighted means over the
+steps), the step without this sequence's drafts has B' = B + (D - 1) d rows and yields
+1 + (D - 1) e tokens, and r verify rows cost this sequence
 
-    t(B) / S + t(B + r - 1) - t(B)
+    t(B') / (1 + (D - 1) e) + t(B' + r - 1) - t(B')
 
-its even share of the step as it stands plus what its extra rows add. Drafting then pays when
-the tokens it is expected to add per second it adds exceed the step's tokens per second, the
-rule that maximises the whole step's output. Alone (S = B = 1) that is t(r), the step of r
-rows: the first row pays for reading every weight and a few more are nearly free, so drafts
-pay; among many, a sequence's share of t(B) shrinks while extra rows cost what they add (from
-about five rows on, every row costs compute on the CPU), and drafts shrink toward none as the
-batch grows. Each plan uses the table as measured up to that step, so a row count measured
-once under other load is corrected as soon as steps of that size run again. The per-sequence
-figures kept for the one-sequence driver (`shares`, the step split into a fixed part and
-per-row parts by a fitted line) are still recorded.
+the step's seconds per token as it stands plus what its extra rows add. The cost model's choice
+(the most expected tokens per second) then drafts exactly when the tokens its rows add per second
+they add beat the step's own rate, the rule that maximises the step's output. Alone (D = 1,
+B = 1) that is t(r), the step of r rows: the first row pays for reading every weight and a few
+more are nearly free, so drafts pay; among many, every extra row costs compute (from about five
+rows on the CPU) and must beat a rate the others' tokens already raise, so drafts shrink toward
+none as the batch grows. Counting the others' drafts matters: priced as if they did not draft,
+every sequence at 16 clients added rows at about half what they cost once all of them did, and
+the server served less than without drafts. Each plan uses the table as measured up to that
+step, so a row count measured once under other load is corrected as soon as steps of that size
+run again. The per-sequence figures kept for the one-sequence driver (`shares`, the forward
+split into a fixed part and per-row parts by a fitted line) are still recorded.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from dataclasses import dataclass
 
 from hetero_run.runtime.driver import SpeculativeEngine
 from hetero_run.runtime.engine.lockstep import Lockstep
-from hetero_run.runtime.speculative.adaptive import _Line
+from hetero_run.runtime.speculative.adaptive import _Line, _Mean
 from hetero_run.runtime.speculative.config import MODEL_FREE, SpeculationConfig
 from hetero_run.runtime.speculative.cost import VerifyCost
 from hetero_run.runtime.speculative.round import RoundPlan, Verdict
@@ -95,6 +99,8 @@ class Speculation:
         self.views: dict[int, object] = {}  # sequence number -> its drafter view
         self.step_cost = _Line()  # a step's seconds over its rows
         self.step_seconds = VerifyCost()  # a step's seconds by its row count
+        self.drafts_per_round = _Mean(0.0, 1e-9)  # draft rows a deciding sequence verified lately
+        self.tokens_per_round = _Mean(1.0, 1e-9)  # and the tokens it kept
 
     @property
     def algorithm(self) -> str:
@@ -119,12 +125,22 @@ class Speculation:
         committing every sequence's rows (what the step pricing charges)."""
         self.step_seconds.record(rows, seconds)
 
-    def verify_estimate(self, base_rows: int, sequences: int):
-        """Seconds that r verify rows cost one of `sequences` sequences in a step whose rows
-        without drafts are `base_rows`: its share of that step plus what its extra rows add."""
+    def measured_rounds(self, draft_rows: list[int], kept: list[int]) -> None:
+        """A step's rounds: each deciding sequence's draft rows and the tokens it kept."""
+        if draft_rows:
+            self.drafts_per_round.add(sum(draft_rows) / len(draft_rows))
+            self.tokens_per_round.add(sum(kept) / len(kept))
+
+    def verify_estimate(self, base_rows: int, deciding: int):
+        """Seconds that r verify rows cost one of `deciding` sequences in a step whose rows
+        without drafts are `base_rows`, the others drafting as they have lately: the step's
+        seconds per token without this sequence's drafts, plus what its extra rows add."""
         t = self.step_seconds
-        base = t(base_rows)
-        return lambda rows: base / sequences + max(0.0, t(base_rows + rows - 1) - base)
+        others = deciding - 1
+        rows0 = base_rows + round(others * self.drafts_per_round.value)
+        base = t(rows0)
+        per_token = base / (1 + others * self.tokens_per_round.value)
+        return lambda rows: per_token + max(0.0, t(rows0 + rows - 1) - base)
 
     def shares(self, rows: list[int], seconds: float) -> list[float]:
         """The step's seconds split over its sequences: the fixed part evenly, the rest by rows."""
@@ -185,7 +201,7 @@ class Speculation:
         budget = scheduler.max_num_batched_tokens - base_rows
         # rows each may add past its own blocks: whole free blocks each, within the step's budget
         share = min(budget // len(deciding), blocks.num_free // len(deciding) * blocks.block_size)
-        estimate = self.verify_estimate(base_rows, len(scheduled))
+        estimate = self.verify_estimate(base_rows, len(deciding))
         for i in deciding:
             item = scheduled[i]
             item.seq.speculation.verify_estimate = estimate

@@ -113,18 +113,21 @@ def _step_seconds(rows: int) -> float:
 
 
 def test_a_batched_sequence_prices_its_rows_from_the_step_it_joins():
-    """engine.speculation: in a step of S sequences bringing B rows without drafts, r verify rows
-    cost a sequence t(B) / S + t(B + r - 1) - t(B), from steps timed by their row count. Its own
+    """engine.speculation: in a step of D deciding sequences bringing B rows without drafts, r
+    verify rows cost a sequence t(B') / (1 + (D - 1) e) + t(B' + r - 1) - t(B'), from steps timed
+    by their row count, B' = B + (D - 1) d counting the others' recent drafts (d rows, e tokens
+    kept a round). Its own
     verify figures mix steps of every batch size: a figure measured for 8 rows when 8 rows ran
     among slower steps stays while no sequence drafts 8 rows again, and priced by it sequences
     draft short (a server at 4 clients chose the target alone with 0.92 acceptance that way)."""
     from hetero_run.runtime.engine.speculation import Speculation
-    from hetero_run.runtime.speculative.adaptive import _Line
+    from hetero_run.runtime.speculative.adaptive import _Line, _Mean
 
     planner = Speculation.__new__(Speculation)  # only its step timing is used here
     planner.step_cost, planner.step_seconds = _Line(), VerifyCost()
+    planner.drafts_per_round, planner.tokens_per_round = _Mean(0.0, 1e-9), _Mean(1.0, 1e-9)
     for _ in range(3):
-        for rows in range(1, 25):
+        for rows in range(1, 200):
             planner.measured_step(rows, _step_seconds(rows))
     alone = planner.verify_estimate(1, 1)
     assert [alone(r) for r in (1, 5, 9)] == pytest.approx([_step_seconds(r) for r in (1, 5, 9)])
@@ -141,3 +144,12 @@ def test_a_batched_sequence_prices_its_rows_from_the_step_it_joins():
     rows = [stale.choose(chain, model=False, tree=True, verify=planner.verify_estimate(s, s)).m for s in (1, 4, 16)]
     assert rows[0] >= rows[1] > short, (rows, short)
     assert rows[1] > rows[2], rows
+
+    # the others drafting 6 rows a round and keeping 5 tokens: the step without this sequence's
+    # drafts has 16 + 15 * 6 rows and yields 1 + 15 * 5 tokens, a rate its rows must beat
+    for _ in range(50):
+        planner.measured_rounds([6] * 16, [5] * 16)
+    crowded = planner.verify_estimate(16, 16)
+    assert crowded(1) == pytest.approx(_step_seconds(106) / 76, rel=1e-3)
+    assert crowded(4) == pytest.approx(_step_seconds(106) / 76 + _step_seconds(109) - _step_seconds(106), rel=1e-3)
+    assert stale.choose(chain, model=False, tree=True, verify=crowded).m < rows[2], rows
