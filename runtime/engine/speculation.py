@@ -19,7 +19,8 @@ steps), the step without this sequence's drafts has B' = B + (D - 1) d rows and 
 
     t(B') / (1 + (D - 1) e) + t(B' + r - 1) - t(B')
 
-the step's seconds per token as it stands plus what its extra rows add. The cost model's choice
+the step's seconds per token as it stands plus what its extra rows add (1 + BATCH_MARGIN times
+that when there are others, for what the step's time does not show). The cost model's choice
 (the most expected tokens per second) then drafts exactly when the tokens its rows add per second
 they add beat the step's own rate, the rule that maximises the step's output. Alone (D = 1,
 B = 1) that is t(r), the step of r rows: the first row pays for reading every weight and a few
@@ -46,6 +47,11 @@ from hetero_run.runtime.speculative.cost import VerifyCost
 from hetero_run.runtime.speculative.round import RoundPlan, Verdict
 
 log = logging.getLogger("hetero_run.runtime.engine.speculation")
+
+# Among other sequences, extra verify rows are charged this much more than the step time they
+# add: longer steps also delay what the step's accounting does not see (the next requests'
+# prefill, the turnover of finishing ones); at 16 clients a tie by that accounting served less.
+BATCH_MARGIN = 0.25
 
 
 class DrafterSlots:
@@ -140,7 +146,8 @@ class Speculation:
         rows0 = base_rows + round(others * self.drafts_per_round.value)
         base = t(rows0)
         per_token = base / (1 + others * self.tokens_per_round.value)
-        return lambda rows: per_token + max(0.0, t(rows0 + rows - 1) - base)
+        extra = 1.0 + (BATCH_MARGIN if others else 0.0)
+        return lambda rows: per_token + extra * max(0.0, t(rows0 + rows - 1) - base)
 
     def shares(self, rows: list[int], seconds: float) -> list[float]:
         """The step's seconds split over its sequences: the fixed part evenly, the rest by rows."""
