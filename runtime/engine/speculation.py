@@ -30,8 +30,9 @@ none as the batch grows. Counting the others' drafts matters: priced as if they 
 every sequence at 16 clients added rows at about half what they cost once all of them did, and
 the server served less than without drafts. Each plan uses the table as measured up to that
 step, so a row count measured once under other load is corrected as soon as steps of that size
-run again. The per-sequence figures kept for the one-sequence driver (`shares`, the forward
-split into a fixed part and per-row parts by a fitted line) are still recorded.
+run again. Each sequence is still handed its share of the forward (`shares`: a fixed part
+evenly, the rest by rows, from a line fitted to forward times): its reported verify seconds and
+the draft lengths of a fixed algorithm (`DraftLength`) are measured in those.
 """
 
 from __future__ import annotations
