@@ -126,12 +126,13 @@ class LLMEngine:
         seconds = time.perf_counter() - begin
         self.speculation.measured_forward(batch.rows, seconds)
         self._postprocess(scheduled, rounds, spans, logits, seconds)
-        self.speculation.measured_step(batch.rows, time.perf_counter() - planned)
+        if all(item.rows == 1 for item in scheduled):  # decode and verify rows only: what drafts add
+            self.speculation.measured_step(batch.rows, time.perf_counter() - planned)
         self.steps += 1
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %d: %d sequences, %d rows (%d of them draft rows), forward %.1f ms, step %.1f ms",
-                      self.steps, len(scheduled), batch.rows, sum(r.plan.k for r in rounds.values()),
-                      seconds * 1e3, (time.perf_counter() - begin) * 1e3)
+            log.debug("step %d: %d sequences, %d rows (%d of them draft rows), planning %.1f ms, forward %.1f ms, "
+                      "step %.1f ms", self.steps, len(scheduled), batch.rows, sum(r.plan.k for r in rounds.values()),
+                      (begin - planned) * 1e3, seconds * 1e3, (time.perf_counter() - planned) * 1e3)
 
     def _batch(self, scheduled: list[Scheduled], rounds: dict) -> tuple[ForwardBatch, list]:
         """One ForwardBatch: each sequence's pending positions, then its round's draft rows (a

@@ -55,6 +55,16 @@ log = logging.getLogger("hetero_run.runtime.engine.speculation")
 BATCH_MARGIN = 0.25
 
 
+def drafts_can_pay(estimate, max_rows: int) -> bool:
+    """Whether any round of 2..max_rows verify rows could yield more tokens per second than one row
+    in this step, were every row accepted and drafted for nothing: r tokens in estimate(r) seconds
+    against one in estimate(1). No draft can do better than that, so when none of them can pay, the
+    step's rounds skip proposing altogether (at 16 clients the proposers and the cost model of 16
+    sequences took a tenth of a step that drafted nothing)."""
+    one = estimate(1)
+    return any(r * one > estimate(r) * (1 + 1e-9) for r in range(2, max_rows + 1))  # a tie does not pay
+
+
 class DrafterSlots:
     """The drafter's per-sequence views: slots of its network (drafters.network / hf), else its
     one model (an EAGLE-3 head), lent to one sequence at a time."""
@@ -210,9 +220,11 @@ class Speculation:
         # rows each may add past its own blocks: whole free blocks each, within the step's budget
         share = min(budget // len(deciding), blocks.num_free // len(deciding) * blocks.block_size)
         estimate = self.verify_estimate(base_rows, len(deciding))
+        can_pay = drafts_can_pay(estimate, self.shared.config.max_verify_rows)
         for i in deciding:
             item = scheduled[i]
             item.seq.speculation.verify_estimate = estimate
+            item.seq.speculation.drafts_can_pay = can_pay
             own = item.seq.table.capacity(blocks.block_size) - (item.seq.computed + item.rows)
             item.seq.speculation.room_cap = 1 + (own + share if item.rows == 1 else 0)  # a recompute: one token
         run = self.slots.lockstep.run if self.slots.lockstep is not None else (lambda jobs: [j() for j in jobs])

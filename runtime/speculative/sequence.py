@@ -57,6 +57,7 @@ class SpeculativeSequence:
         # what n verify rows cost this sequence in the coming step, set by a batching engine (its
         # share of the step); None: the cost model's own figures for forwards of n rows
         self.verify_estimate = None
+        self.drafts_can_pay = True  # False: a batching engine found no draft could pay this step (auto skips proposing)
         pairing = engine.pairing
         self.sampling, self.verifier = sampling, verifier
         self.generator = verifier.generator
@@ -174,7 +175,7 @@ class SpeculativeSequence:
 
     def _plan(self) -> RoundPlan:
         room, policy = self._room(), self.policy
-        if policy == "none" or room < 2:
+        if policy == "none" or room < 2 or (not self.drafts_can_pay and (self.config.adaptive or policy == "auto")):
             return self._label(self._empty(), "none")
         if policy == "model":
             self.k = self._model_k(self.lengths[self.model_name].next(), room)

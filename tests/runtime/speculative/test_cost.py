@@ -3,6 +3,8 @@ chooses (none, model-free, the drafter, the hybrid) from them."""
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 
 from hetero_run.runtime.speculative.config import SpeculationConfig
@@ -30,6 +32,26 @@ def test_verify_cost_interpolates_and_extends_the_measured_rows():
     assert v(3) == pytest.approx(1.5)
     assert v(9) == pytest.approx(3.0)  # along the fitted line
     assert VerifyCost()(4) > VerifyCost()(1) > 0  # before any measurement: the starting assumption
+
+
+def test_verify_cost_never_prices_more_rows_below_fewer():
+    v = VerifyCost()
+    for rows, seconds in ((1, 0.034), (8, 0.060), (16, 0.110), (144, 1.084), (160, 1.069), (200, 1.082)):
+        for _ in range(30 if rows <= 16 else 1):
+            v.record(rows, seconds)
+    estimates = [v(r) for r in range(1, 221)]
+    extra = [b - a for a, b in pairwise(estimates)]
+    assert all(e > 0 for e in extra)  # each extra row costs something
+    assert all(b >= a - 1e-12 for a, b in pairwise(extra))  # and no less than the one before
+    assert [v(r) for r in (1, 8, 200)] == pytest.approx([0.034, 0.060, 1.082])  # on the hull: kept
+    assert 0.9 * 0.110 < v(16) <= 0.110  # above it (8 -> 16 rose faster than 16 -> 200): the hull's figure
+    # the noisy counts between: no longer a flat stretch, every row priced at the rate from 8 to 200
+    assert v(180) - v(170) == pytest.approx(10 * (1.082 - 0.060) / (200 - 8))
+    # figures that rise at a rising rate are kept as measured
+    w = VerifyCost()
+    for rows in (1, 2, 5, 9, 16):
+        w.record(rows, 0.02 + 0.001 * rows * rows)
+    assert [w(r) for r in (1, 2, 5, 9, 16)] == pytest.approx([0.02 + 0.001 * r * r for r in (1, 2, 5, 9, 16)])
 
 
 def test_no_candidates_and_a_poor_drafter_choose_the_target_alone():
@@ -154,3 +176,30 @@ def test_a_batched_sequence_prices_its_rows_from_the_step_it_joins():
     assert crowded(4) == pytest.approx(_step_seconds(106) / 76 + (1 + BATCH_MARGIN) * (_step_seconds(109)
                                        - _step_seconds(106)), rel=1e-3)
     assert stale.choose(chain, model=False, tree=True, verify=crowded).m < rows[2], rows
+
+
+def test_a_step_where_no_draft_can_pay_skips_proposing():
+    """engine.speculation.drafts_can_pay: r rows can yield r tokens at most, so when r tokens in
+    estimate(r) never beat one token in estimate(1), no proposal can be chosen and none is made."""
+    from hetero_run.runtime.engine.speculation import BATCH_MARGIN, Speculation, drafts_can_pay
+    from hetero_run.runtime.speculative.adaptive import _Line, _Mean
+
+    def planner_for(step_seconds):
+        planner = Speculation.__new__(Speculation)
+        planner.step_cost, planner.step_seconds = _Line(), VerifyCost()
+        planner.drafts_per_round, planner.tokens_per_round = _Mean(0.0, 1e-9), _Mean(1.0, 1e-9)
+        for _ in range(3):
+            for rows in range(1, 80):
+                planner.measured_step(rows, step_seconds(rows))
+        return planner
+
+    cheap = planner_for(_step_seconds)  # rows 2 ms over a 40 ms step: drafts pay alone and at 16
+    assert drafts_can_pay(cheap.verify_estimate(1, 1), 17)
+    assert drafts_can_pay(cheap.verify_estimate(16, 16), 17)
+    # every row 6 ms and nothing fixed (a CPU step of 16 rows is all arithmetic): among others a
+    # row costs (1 + margin) x 6 ms and yields at most the 6 ms token it stands for: nothing pays
+    compute = planner_for(lambda rows: 0.006 * rows)
+    assert not drafts_can_pay(compute.verify_estimate(16, 16), 17)
+    assert BATCH_MARGIN > 0
+    # alone the same rows tie at best (r tokens in r x 6 ms): not worth proposing either
+    assert not drafts_can_pay(compute.verify_estimate(1, 1), 17)
