@@ -8,27 +8,30 @@ sequence proposes its rows (`plan`); after it, each verifies its own rows' logit
 (`verify`), exactly the round the one-sequence driver runs.
 
 How much to draft: each sequence's cost model weighs expected tokens against measured cost,
-and the cost it is told comes from the step it joins. Steps are timed by their rows: t(R), per
-row count R (interpolated between counts, extended beyond them along a fitted line), from the
-planning of the step's rounds to the last commit (at 16 clients, with drafts, the forward was
-95% of that; proposing, verifying and committing 16 sequences' rows grows with the rows too).
-In a step whose rows without drafts are B, where the D - 1 other deciding sequences draft d
-rows and keep e tokens a round as they have lately (exponentially weighted means over the
-steps), the step without this sequence's drafts has B' = B + (D - 1) d rows and yields
-1 + (D - 1) e tokens, and r verify rows cost this sequence
+and the cost it is told comes from the step it joins. Steps of decode and verify rows only (no
+prompt chunk: a prompt row skips the lm_head and the verifier and would read as a cheap verify
+row) are timed by their rows: t(R), per row count R, from the planning of the step's rounds to
+the last commit, estimated rising and convex from the measured means (`VerifyCost`). In a step
+whose rows without drafts are B, where the D - 1 other deciding sequences draft d rows and keep
+e tokens a round as they have lately (exponentially weighted means over the steps), the step
+without this sequence's drafts has B' = B + (D - 1) d rows and yields 1 + (D - 1) e tokens, and
+r verify rows cost this sequence
 
-    t(B') / (1 + (D - 1) e) + t(B' + r - 1) - t(B')
+    t(B') / (1 + (D - 1) e) + m (t(B' + r - 1) - t(B'))
 
-the step's seconds per token as it stands plus what its extra rows add (1 + BATCH_MARGIN times
-that when there are others, for what the step's time does not show). The cost model's choice
+the step's seconds per token as it stands plus what its extra rows add (m = 1 alone, 1 +
+BATCH_MARGIN among others, for what the step's time does not show). The cost model's choice
 (the most expected tokens per second) then drafts exactly when the tokens its rows add per second
 they add beat the step's own rate, the rule that maximises the step's output. Alone (D = 1,
 B = 1) that is t(r), the step of r rows: the first row pays for reading every weight and a few
 more are nearly free, so drafts pay; among many, every extra row costs compute (from about five
 rows on the CPU) and must beat a rate the others' tokens already raise, so drafts shrink toward
-none as the batch grows. Counting the others' drafts matters: priced as if they did not draft,
-every sequence at 16 clients added rows at about half what they cost once all of them did, and
-the server served less than without drafts. Each plan uses the table as measured up to that
+none as the batch grows, and when not even r accepted rows drafted for nothing would pay
+(`drafts_can_pay`) the step's sequences skip proposing.
+
+Counting the others' drafts matters: priced as if they did not draft, every sequence at 16
+clients added rows at about half what they cost once all of them did, and the server served less
+than without drafts. Each plan uses the table as measured up to that
 step, so a row count measured once under other load is corrected as soon as steps of that size
 run again. Each sequence is still handed its share of the forward (`shares`: a fixed part
 evenly, the rest by rows, from a line fitted to forward times): its reported verify seconds and

@@ -14,8 +14,9 @@ node's reach is the product of the calibrated acceptance estimates on its path);
 treated as independent guesses. Rows are 1 + rows(k) + m in a tree, 1 + max(rows(k), m) when
 the target verifies chains only. Every figure is measured as the rounds run:
 
-- verify(n): the seconds of each target forward by its row count (exponentially weighted per n;
-  between measured counts interpolated, beyond them extended along the fitted line);
+- verify(n): the seconds of each target forward by its row count (exponentially weighted per n,
+  made rising and convex in n, interpolated between counts, beyond them extended along the
+  fitted line; `VerifyCost`);
 - draft(k) = d0 + d1 k, catch-up seconds per drafter token, target rows per drafted unit;
 - acceptance per (proposer, bucket): the share of tested rows that were accepted, a row being
   tested when the walk reached its parent; buckets are the match length (prompt lookup) and
