@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hetero_run.kernels import cpu_ext
 from hetero_run.topology.errors import ConfigError
 
 NUCLEUS_CANDIDATES = 1024
@@ -75,6 +76,16 @@ def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     values = values.masked_fill(before >= top_p, 0.0)
     kept = torch.zeros_like(probs).scatter_(-1, order, values)
     return kept / kept.sum(-1, keepdim=True)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """[n, vocab] -> [n] int64, exactly torch.argmax(x, -1): the compiled scan for float32 rows on
+    the CPU (PyTorch's CPU argmax reads a 152k vocabulary at about 2 GB/s, 0.26 ms a row, and a
+    greedy verify reads one per row), PyTorch otherwise."""
+    lib = cpu_ext.ops()
+    if lib is not None and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous():
+        return lib.row_argmax(x)
+    return x.argmax(-1)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -16,11 +16,15 @@
 //       key_slots[key_offsets[i] .. key_offsets[i + 1] - 1] (a paged cache's blocks, a tree row's
 //       prefix and ancestors); a row reading the same keys as a decode gets the decode's bits.
 //   rms_norm(x [n, d], w [d], eps) -> [n, d]: x / sqrt(mean(x^2) + eps) * w, in float32, rounded once.
+//   row_argmax(x [n, v] float32) -> [n] int64: torch.argmax(x, -1) (the first index of the largest
+//       value; a row holding NaN gives its first NaN's index, as torch does). PyTorch's CPU argmax
+//       reads a 152k vocabulary at about 2.3 GB/s (0.26 ms a row, once per verified row).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <limits>
 
 #include "cpu_kernels.h"
@@ -332,6 +336,75 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
+int64_t argmax_generic(const float* x, int64_t v) {
+  int64_t best = 0;
+  for (int64_t e = 0; e < v; ++e) {
+    if (std::isnan(x[e])) return e;
+    if (x[e] > x[best]) best = e;
+  }
+  return best;
+}
+
+#if HR_X86
+// Lane l keeps the largest value it has seen and, for ties, its first index (a strict > moves
+// it); the row's answer is the smallest index among the lanes holding the largest value. A NaN
+// (never greater than anything) sends the row to the generic scan, which returns the first NaN.
+HR_AVX512 int64_t argmax_avx512(const float* x, int64_t v) {
+  const __m512 lowest = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 best = lowest;
+  __m512i where = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512i idx = where;
+  const __m512i step = _mm512_set1_epi32(16);
+  __mmask16 nan = 0;
+  int64_t e = 0;
+  for (; e + 16 <= v; e += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + e);
+    nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+    const __mmask16 more = _mm512_cmp_ps_mask(xv, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, more, xv);
+    where = _mm512_mask_mov_epi32(where, more, idx);
+    idx = _mm512_add_epi32(idx, step);
+  }
+  if (e < v) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (v - e)) - 1);
+    const __m512 xv = _mm512_mask_loadu_ps(lowest, tail, x + e);
+    nan |= _mm512_cmp_ps_mask(xv, xv, _CMP_UNORD_Q);
+    const __mmask16 more = _mm512_cmp_ps_mask(xv, best, _CMP_GT_OQ);
+    best = _mm512_mask_mov_ps(best, more, xv);
+    where = _mm512_mask_mov_epi32(where, more, idx);
+  }
+  if (nan) return argmax_generic(x, v);
+  const float top = _mm512_reduce_max_ps(best);
+  const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ);
+  const __m512i candidates = _mm512_mask_mov_epi32(_mm512_set1_epi32(std::numeric_limits<int32_t>::max()), holders,
+                                                   where);
+  return _mm512_reduce_min_epi32(candidates);
+}
+#endif
+
+at::Tensor row_argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kFloat,
+              "x must be a contiguous 2-D float32 CPU tensor");
+  const int64_t n = x.size(0), v = x.size(1);
+  TORCH_CHECK(v > 0 && v < std::numeric_limits<int32_t>::max(), "rows of 1 .. 2^31 - 2 values, got ", v);
+  at::Tensor out = at::empty({n}, x.options().dtype(at::kLong));
+  const float* xd = x.data_ptr<float>();
+  int64_t* od = out.data_ptr<int64_t>();
+#if HR_X86
+  const bool vec = has_avx512();
+#endif
+  for (int64_t i = 0; i < n; ++i) {  // a row streams in about 30 us: not worth waking threads
+#if HR_X86
+    if (vec) {
+      od[i] = argmax_avx512(xd + i * v, v);
+      continue;
+    }
+#endif
+    od[i] = argmax_generic(xd + i * v, v);
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace hetero_run_cpu
 
@@ -341,4 +414,5 @@ TORCH_LIBRARY_FRAGMENT(hetero_run, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, Tensor key_slots, Tensor key_offsets, float scale) -> Tensor",
         &hetero_run_cpu::paged_attention);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &hetero_run_cpu::rms_norm);
+  m.def("row_argmax(Tensor x) -> Tensor", &hetero_run_cpu::row_argmax);
 }

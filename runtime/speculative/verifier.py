@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from hetero_run.kernels.sampling import SamplingParams, logits_to_probs, sample_keyed
+from hetero_run.kernels.sampling import SamplingParams, argmax_rows, logits_to_probs, sample_keyed
 from hetero_run.runtime.speculative.round import RoundPlan, Verdict
 
 
@@ -73,7 +73,7 @@ class RejectionSampler:
         """target_logits [n + 1, vocab] (one row per tree row) -> the round's Verdict."""
         tokens, children = _tree(plan)
         if self.sampling.greedy:
-            return self._walk_greedy(target_logits.argmax(-1).tolist(), children, plan.k)
+            return self._walk_greedy(argmax_rows(target_logits).tolist(), children, plan.k)
         return self._walk_sampled(plan, target_logits, tokens, children)
 
     @staticmethod

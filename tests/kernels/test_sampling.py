@@ -90,3 +90,28 @@ def test_keyed_noise_for_part_of_the_vocabulary_needs_the_whole_width():
 
     with pytest.raises(ValueError, match="outside the vocabulary of 2"):
         sample_keyed(torch.tensor([[0.6, 0.4]]), 1, [2], torch.tensor([4, 1]))
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 16, 17, 1000, 151936])
+def test_argmax_rows_is_torch_argmax(library, vocab):
+    """The compiled scan returns torch.argmax's index on every kind of row: random, ties within a
+    lane and across lanes (the first index wins), the maximum in the tail, all -inf, NaN (the
+    first NaN, as torch), +inf."""
+    from hetero_run.kernels.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(vocab)
+    rows = [torch.randn(vocab, generator=g) for _ in range(3)]
+    tie = torch.randn(vocab, generator=g)
+    tie[[i for i in (3, 19, 35, vocab - 1) if i < vocab]] = 10.0  # same lane (3, 19, 35) and others
+    rows.append(tie)
+    tail = torch.randn(vocab, generator=g)
+    tail[-1] = 50.0
+    rows.append(tail)
+    rows.append(torch.full((vocab,), float("-inf")))
+    for special in (float("nan"), float("inf")):
+        row = torch.randn(vocab, generator=g)
+        row[[i for i in (vocab // 2, vocab - 1) if i < vocab]] = special
+        rows.append(row)
+    x = torch.stack(rows)
+    assert torch.equal(argmax_rows(x), x.argmax(-1))
+    assert torch.equal(argmax_rows(x[2:5]), x[2:5].argmax(-1))  # a slice of rows, as the engine passes
