@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from hetero_run.kernels import cpu_ext
 from hetero_run.kernels.sampling import SamplingParams, logits_to_probs, sample
 from hetero_run.topology.errors import ConfigError
 
@@ -115,3 +116,11 @@ def test_argmax_rows_is_torch_argmax(library, vocab):
     x = torch.stack(rows)
     assert torch.equal(argmax_rows(x), x.argmax(-1))
     assert torch.equal(argmax_rows(x[2:5]), x[2:5].argmax(-1))  # a slice of rows, as the engine passes
+    if library == "compiled":  # the scalar scan too (what a CPU without AVX-512 runs)
+        lib = cpu_ext.ops()
+        allowed = lib.cpu_features()
+        try:
+            lib.set_cpu_features(0)
+            assert torch.equal(argmax_rows(x), x.argmax(-1))
+        finally:
+            lib.set_cpu_features(allowed)
