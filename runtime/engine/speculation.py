@@ -62,8 +62,8 @@ def drafts_can_pay(estimate, max_rows: int) -> bool:
     """Whether any round of 2..max_rows verify rows could yield more tokens per second than one row
     in this step, were every row accepted and drafted for nothing: r tokens in estimate(r) seconds
     against one in estimate(1). No draft can do better than that, so when none of them can pay, the
-    step's rounds skip proposing altogether (at 16 clients the proposers and the cost model of 16
-    sequences took a tenth of a step that drafted nothing)."""
+    step's rounds skip proposing altogether (16 sequences' proposers and cost model: 1.5 ms of a
+    120 ms step at TP=1, 35 ms of 140 at TP=2 with debug logging, whose summaries they format)."""
     one = estimate(1)
     return any(r * one > estimate(r) * (1 + 1e-9) for r in range(2, max_rows + 1))  # a tie does not pay
 
