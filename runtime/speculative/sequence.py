@@ -57,7 +57,7 @@ class SpeculativeSequence:
         # what n verify rows cost this sequence in the coming step, set by a batching engine (its
         # share of the step); None: the cost model's own figures for forwards of n rows
         self.verify_estimate = None
-        self.drafts_can_pay = True  # False: a batching engine found no draft could pay this step (auto skips proposing)
+        self.drafts_can_pay = True  # False: a batching engine found no draft could pay this step (adaptive rounds skip)
         pairing = engine.pairing
         self.sampling, self.verifier = sampling, verifier
         self.generator = verifier.generator
@@ -175,7 +175,8 @@ class SpeculativeSequence:
 
     def _plan(self) -> RoundPlan:
         room, policy = self._room(), self.policy
-        if policy == "none" or room < 2 or (not self.drafts_can_pay and (self.config.adaptive or policy == "auto")):
+        priced = self.config.adaptive or policy == "auto"  # sized by the cost model, not fixed
+        if policy == "none" or room < 2 or (priced and not self.drafts_can_pay):
             return self._label(self._empty(), "none")
         if policy == "model":
             self.k = self._model_k(self.lengths[self.model_name].next(), room)
@@ -197,7 +198,7 @@ class SpeculativeSequence:
         if policy == "modelfree" and not figures:
             return self._label(self._empty(), "none")
         pending = self.session.context.pending_tokens + len(self.unsynced) if self.session.context is not None else 0
-        if self.config.adaptive or policy == "auto":
+        if priced:
             choice = self.cost.choose(figures, use_model, self.trees, pending, k_range, policy != "modelfree", room,
                                       verify=self.verify_estimate)
         else:  # fixed sizes: the drafter's k and every model-free candidate that fits
