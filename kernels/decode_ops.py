@@ -1,11 +1,12 @@
-"""Attention of a few new tokens over the KV cache, and RMS norm: the compiled CPU kernels
-(`csrc/decode_ops.cpp`) where they apply, PyTorch otherwise.
+"""The per-token operations between a decoder layer's matrix products: attention of a few new
+tokens over the KV cache, RMS norm and the gated MLP's silu(gate) * up. The compiled CPU
+kernels (`csrc/decode_ops.cpp`) where they apply, PyTorch otherwise.
 
-Both compute each row on its own, in an order that does not depend on how many rows came
+Each computes every row on its own, in an order that does not depend on how many rows came
 together, so decode and verify forwards stay batch-invariant (batch_invariance.py). The
 PyTorch paths are the references: attention one query row at a time through
-`scaled_dot_product_attention` (its fused CPU kernel, over exactly that row's keys), and
-`F.rms_norm`.
+`scaled_dot_product_attention` (its fused CPU kernel, over exactly that row's keys),
+`F.rms_norm`, and `F.silu(gate) * up`.
 """
 
 from __future__ import annotations
@@ -75,3 +76,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
             return lib.rms_norm(x, weight, eps)
         return lib.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [..., 2f] (gate the first f columns) -> [..., f] in its dtype.
+
+    The compiled kernel computes in float32 and rounds once; PyTorch (the reference, and the
+    path without the library) rounds silu(gate) to the dtype before multiplying."""
+    lib = cpu_ext.ops()
+    if lib is not None and gate_up.is_cpu and gate_up.dtype in KERNEL_DTYPES:
+        flat = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+        return lib.silu_mul(flat).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
+    return silu_mul_reference(gate_up)
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -23,7 +23,8 @@ def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         xk = x.contiguous()
         if xk.dtype == torch.bfloat16 and w.dtype == torch.float32:
             xk = xk.float()  # widening is exact
-        return cpu_ext.ops().dense_linear(xk, w).to(x.dtype)
+        y = cpu_ext.ops().dense_linear(xk, w, 0, x.dtype == torch.bfloat16)  # bf16: rounded by the kernel
+        return y if y.dtype == x.dtype else y.to(x.dtype)
     if not invariant(x.shape[0]) or x.device.type != "cpu":  # prefill without the library, or a GPU
         return F.linear(x.to(w.dtype), w).to(x.dtype)
     return per_row(lambda row: F.linear(row.to(w.dtype), w), x).to(x.dtype)

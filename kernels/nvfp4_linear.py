@@ -48,7 +48,9 @@ def nvfp4_linear(
     if lib is None:
         reference = (lambda rows: nvfp4.linear_reference(rows, codes, block_scale, row_scale))  # noqa: E731
         return (per_row(reference, xk) if invariant(x.shape[0]) else reference(xk)).to(x.dtype)
-    return lib.nvfp4_linear(xk.contiguous(), codes, block_scale.view(torch.uint8), row_scale).to(x.dtype)
+    # bf16 x: the kernel rounds y itself (torch's bits, without a second pass through PyTorch)
+    y = lib.nvfp4_linear(xk.contiguous(), codes, block_scale.view(torch.uint8), row_scale, 0, x.dtype == torch.bfloat16)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def nvfp4_dequantize(codes: torch.Tensor, block_scale: torch.Tensor, row_scale: torch.Tensor,

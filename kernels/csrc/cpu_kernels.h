@@ -10,6 +10,7 @@
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
 #define HR_X86 1
 #define HR_AVX2 __attribute__((target("avx2,fma")))
 #define HR_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
@@ -67,6 +68,25 @@ inline float bf16_to_float(uint16_t h) {
   std::memcpy(&f, &bits, 4);
   return f;
 }
+
+// float -> bf16 bits, rounded to nearest even as torch's vectorised .to(torch.bfloat16) does
+// (a NaN becomes 0xFFFF), so a kernel that rounds its own output gives torch's bits.
+inline uint16_t round_bf16(float v) {
+  if (std::isnan(v)) return 0xFFFF;
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#if HR_X86
+HR_AVX512 inline __m256i round_bf16x16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+  return _mm512_cvtepi32_epi16(r);
+}
+#endif
 
 // Rows per task so that each task streams at least ~64 KiB of weights (thread wake-up costs
 // more than a smaller task saves).

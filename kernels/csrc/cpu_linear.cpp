@@ -3,9 +3,11 @@
 // Ops (namespace hetero_run, loaded by kernels/cpu_ext.py; references in kernels/nvfp4.py and
 // kernels/dense_linear.py):
 //   nvfp4_linear(x f32|bf16 [n, in], codes u8 [out, in/2], block_scale u8 (fp8 e4m3 bits) [out, in/16],
-//                row_scale f32 [out], path=0) -> f32 [n, out]
+//                row_scale f32 [out], path=0, bf16_out=False) -> f32 [n, out]
+//       (bf16_out: y rounded to bf16 here, the bits torch's .to(torch.bfloat16) gives, without
+//       a second pass through PyTorch: that took 5% of an 8-row decode step of the CPU target)
 //   nvfp4_dequant(codes, block_scale, row_scale) -> f32 [out, in]   (bit-exact with the reference)
-//   dense_linear(x f32|bf16 [n, in], w f32|bf16 [out, in], path=0) -> f32 [n, out]
+//   dense_linear(x f32|bf16 [n, in], w f32|bf16 [out, in], path=0, bf16_out=False) -> f32 [n, out]
 //   cpu_features() -> int            the kernels path 0 may use (kFeature* bits, cpu_kernels.h)
 //   cpu_supported_features() -> int  what CPUID and the OS offer
 //   set_cpu_features(int mask)       restrict path 0 to these (after the caller's self-tests)
@@ -119,8 +121,37 @@ void dense_run(Isa isa, const at::Tensor& x_in, const at::Tensor& w, int64_t r0,
   wf ? dense_linear_portable(xd, n, in, wfd, out, yd) : dense_linear_portable(xd, n, in, wb, out, yd);
 }
 
+#if HR_X86
+HR_AVX512 void round_bf16_avx512(const float* y, int64_t count, uint16_t* out) {
+  int64_t e = 0;
+  for (; e + 16 <= count; e += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e), round_bf16x16(_mm512_loadu_ps(y + e)));
+  if (e < count) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (count - e)) - 1);
+    _mm256_mask_storeu_epi16(out + e, m, round_bf16x16(_mm512_maskz_loadu_ps(m, y + e)));
+  }
+}
+#endif
+
+// y float32 -> a new bf16 tensor of the same shape (round_bf16's bits, element by element).
+at::Tensor to_bf16(const at::Tensor& y) {
+  at::Tensor out = at::empty(y.sizes(), y.options().dtype(at::kBFloat16));
+  const float* yd = y.data_ptr<float>();
+  auto* od = reinterpret_cast<uint16_t*>(out.data_ptr());
+#if HR_X86
+  const bool vec = has_avx512();
+#endif
+  at::parallel_for(0, y.numel(), 1 << 16, [&](int64_t e0, int64_t e1) {
+#if HR_X86
+    if (vec) return round_bf16_avx512(yd + e0, e1 - e0, od + e0);
+#endif
+    for (int64_t e = e0; e < e1; ++e) od[e] = round_bf16(yd[e]);
+  });
+  return out;
+}
+
 at::Tensor nvfp4_linear(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales,
-                        const at::Tensor& row_scale, int64_t path) {
+                        const at::Tensor& row_scale, int64_t path, bool bf16_out) {
   check_2d(x_in, "x");
   check_2d(codes, "codes");
   check_2d(scales, "block_scale");
@@ -133,11 +164,11 @@ at::Tensor nvfp4_linear(const at::Tensor& x_in, const at::Tensor& codes, const a
   TORCH_CHECK(scales.size(0) == out && scales.size(1) * kGroup == in, "block_scale shape does not match codes");
   TORCH_CHECK(row_scale.numel() == out, "row_scale needs ", out, " values");
   at::Tensor y = at::empty({n, out}, x_in.options().dtype(at::kFloat));
-  if (n == 0 || out == 0) return y;
+  if (n == 0 || out == 0) return bf16_out ? y.to(at::kBFloat16) : y;
   const bool bf16 = x_in.scalar_type() == at::kBFloat16;
   nvfp4_run(choose(path, bf16, bf16 && in % 32 == 0), x_in, codes.data_ptr<uint8_t>(), scales.data_ptr<uint8_t>(),
             row_scale.data_ptr<float>(), out, y.data_ptr<float>());
-  return y;
+  return bf16_out ? to_bf16(y) : y;
 }
 
 at::Tensor nvfp4_dequant(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& row_scale) {
@@ -172,7 +203,7 @@ at::Tensor nvfp4_dequant(const at::Tensor& codes, const at::Tensor& scales, cons
   return w;
 }
 
-at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t path) {
+at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t path, bool bf16_out) {
   check_2d(x_in, "x");
   check_2d(w, "w");
   const auto xt = x_in.scalar_type(), wt = w.scalar_type();
@@ -182,10 +213,10 @@ at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t pat
   const int64_t n = x_in.size(0), in = x_in.size(1), out = w.size(0);
   TORCH_CHECK(w.size(1) == in, "w has ", w.size(1), " inputs, x has ", in);
   at::Tensor y = at::empty({n, out}, x_in.options().dtype(at::kFloat));
-  if (n == 0 || out == 0) return y;
+  if (n == 0 || out == 0) return bf16_out ? y.to(at::kBFloat16) : y;
   const bool bf16 = xt == at::kBFloat16 && wt == at::kBFloat16;
   dense_run(choose(path, bf16, bf16 && in % 32 == 0), x_in, w, 0, out, y.data_ptr<float>());
-  return y;
+  return bf16_out ? to_bf16(y) : y;
 }
 
 int64_t cpu_features() { return allowed_features(); }
@@ -210,10 +241,11 @@ void dense_linear_rows(const at::Tensor& x, const at::Tensor& w, int64_t r0, int
 }  // namespace hetero_run_cpu
 
 TORCH_LIBRARY(hetero_run, m) {
-  m.def("nvfp4_linear(Tensor x, Tensor codes, Tensor block_scale, Tensor row_scale, int path=0) -> Tensor",
+  m.def("nvfp4_linear(Tensor x, Tensor codes, Tensor block_scale, Tensor row_scale, int path=0, bool bf16_out=False) "
+        "-> Tensor",
         &hetero_run_cpu::nvfp4_linear);
   m.def("nvfp4_dequant(Tensor codes, Tensor block_scale, Tensor row_scale) -> Tensor", &hetero_run_cpu::nvfp4_dequant);
-  m.def("dense_linear(Tensor x, Tensor w, int path=0) -> Tensor", &hetero_run_cpu::dense_linear);
+  m.def("dense_linear(Tensor x, Tensor w, int path=0, bool bf16_out=False) -> Tensor", &hetero_run_cpu::dense_linear);
   m.def("cpu_features() -> int", &hetero_run_cpu::cpu_features);
   m.def("cpu_supported_features() -> int", &hetero_run_cpu::cpu_supported_features);
   m.def("set_cpu_features(int mask) -> ()", &hetero_run_cpu::set_cpu_features);

@@ -16,6 +16,9 @@
 //       key_slots[key_offsets[i] .. key_offsets[i + 1] - 1] (a paged cache's blocks, a tree row's
 //       prefix and ancestors); a row reading the same keys as a decode gets the decode's bits.
 //   rms_norm(x [n, d], w [d], eps) -> [n, d]: x / sqrt(mean(x^2) + eps) * w, in float32, rounded once.
+//   silu_mul(gate_up [n, 2 * f]) -> [n, f]: silu(gate) * up (gate the first f columns), in float32,
+//       rounded once; float32 or bfloat16. torch's silu_ then mul_ on the halves of a bf16 [8, 9728]
+//       took 0.18 ms a layer, one thread each (the halves are strided views).
 //   row_argmax(x [n, v] float32) -> [n] int64: torch.argmax(x, -1) (the first index of the largest
 //       value; a row holding NaN gives its first NaN's index, as torch does). PyTorch's CPU argmax
 //       reads a 152k vocabulary at about 2.3 GB/s (0.26 ms a row, once per verified row).
@@ -336,6 +339,80 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
+template <typename T>
+void silu_mul_generic(const T* g, const T* u, int64_t f, T* y) {
+  for (int64_t e = 0; e < f; ++e) {
+    const float gv = to_float(g[e]);
+    const float sv = gv < -88.f ? 0.f : gv / (1.f + std::exp(-gv));  // silu(-inf) = 0, not -inf / inf
+    store(y + e, sv * to_float(u[e]));
+  }
+}
+
+#if HR_X86
+HR_AVX512 inline __mmask16 lanes(int64_t left) {
+  return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
+}
+HR_AVX512 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+HR_AVX512 inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+HR_AVX512 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+HR_AVX512 inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, round_bf16x16(v));
+}
+
+// Every element takes the same operations wherever it lies (a tail is masked, not looped), so a
+// row's result does not depend on its length's remainder or on the other rows.
+template <typename T>
+HR_AVX512 void silu_mul_avx512(const T* g, const T* u, int64_t f, T* y) {
+  for (int64_t e = 0; e < f; e += 16) {
+    const __mmask16 m = lanes(f - e);
+    const __m512 gv = load16(g + e, m);
+    // -g clamped to exp16's domain; below g = -88 silu(g) is under 1e-36, taken as 0 (as the
+    // generic loop does: -inf gives 0, not -inf / inf)
+    const __m512 neg = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), gv), _mm512_set1_ps(88.f));
+    const __m512 s = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(gv, _mm512_set1_ps(-88.f), _CMP_NLT_UQ),
+                                         _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(neg))));
+    store16(y + e, _mm512_mul_ps(s, load16(u + e, m)), m);
+  }
+}
+#endif
+
+template <typename T>
+void silu_mul_impl(const at::Tensor& x, at::Tensor& y) {
+  const int64_t n = x.size(0), f = x.size(1) / 2;
+  const T* xd = reinterpret_cast<const T*>(x.data_ptr());
+  T* yd = reinterpret_cast<T*>(y.data_ptr());
+#if HR_X86
+  const bool vec = has_avx512();
+#endif
+  // about 1 ns an element: pieces of at least 16k elements are worth a thread
+  const int64_t grain = std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(f, 1));
+  at::parallel_for(0, n, grain, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+#if HR_X86
+      if (vec) {
+        silu_mul_avx512(xd + i * 2 * f, xd + i * 2 * f + f, f, yd + i * f);
+        continue;
+      }
+#endif
+      silu_mul_generic(xd + i * 2 * f, xd + i * 2 * f + f, f, yd + i * f);
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "gate_up must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(x.size(1) % 2 == 0, "gate_up needs an even number of columns, got ", x.size(1));
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  at::Tensor y = at::empty({x.size(0), x.size(1) / 2}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    silu_mul_impl<float>(x, y);
+  else
+    silu_mul_impl<uint16_t>(x, y);
+  return y;
+}
+
 int64_t argmax_generic(const float* x, int64_t v) {
   int64_t best = 0;
   for (int64_t e = 0; e < v; ++e) {
@@ -415,4 +492,5 @@ TORCH_LIBRARY_FRAGMENT(hetero_run, m) {
         &hetero_run_cpu::paged_attention);
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor", &hetero_run_cpu::rms_norm);
   m.def("row_argmax(Tensor x) -> Tensor", &hetero_run_cpu::row_argmax);
+  m.def("silu_mul(Tensor gate_up) -> Tensor", &hetero_run_cpu::silu_mul);
 }

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from hetero_run.kernels.decode_ops import silu_mul
 from hetero_run.runtime.models.linear import ColumnParallelLinear, RowParallelLinear
 
 
@@ -18,5 +18,4 @@ class GatedMLP:
         return self.gate_up.nbytes + self.down.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate, inplace=True).mul_(up))
+        return self.down(silu_mul(self.gate_up(x)))

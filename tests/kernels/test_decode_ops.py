@@ -1,4 +1,4 @@
-"""Attention over the KV cache and RMS norm (kernels/decode_ops.py): the compiled kernels against
+"""Attention over the KV cache, RMS norm and silu(gate) * up (kernels/decode_ops.py): the compiled kernels against
 float64 references and PyTorch, and row i of an n-row call equal bit for bit to that row alone."""
 
 import math
@@ -13,6 +13,8 @@ from hetero_run.kernels.decode_ops import (
     paged_attention,
     paged_attention_reference,
     rms_norm,
+    silu_mul,
+    silu_mul_reference,
 )
 
 
@@ -84,6 +86,40 @@ def test_rms_norm_matches_float64_and_is_row_by_row(library, dtype, tol, d):
     torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=0)
     assert all(torch.equal(got[i:i + 1], rms_norm(x[i:i + 1], w, 1e-6)) for i in range(9))
     assert torch.equal(rms_norm(x.view(3, 3, d), w, 1e-6), got.view(3, 3, d))
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("f", [4864, 37, 16, 1])
+def test_silu_mul_matches_float64_and_is_row_by_row(library, dtype, tol, f):
+    """silu(gate) * up within the dtype's rounding (the kernel rounds once, PyTorch twice), each
+    row alone as in a batch, whatever f's remainder by the vector width; the AVX-512 loop and
+    the scalar one (a CPU without AVX-512) alike. Extreme gates in the kernels: silu(-inf) is 0
+    (PyTorch's -inf / inf gives NaN), silu(+inf) inf."""
+    g = torch.Generator().manual_seed(f)
+    x = (torch.randn(9, 2 * f, generator=g) * 4).to(dtype)
+    x[0, :min(f, 5)] = torch.tensor([-100.0, 100.0, 0.0, -1e4, 30.0])[:min(f, 5)].to(dtype)
+    gate, up = x[:, :f].double(), x[:, f:].double()
+    ref = gate * torch.sigmoid(gate) * up
+    lib = cpu_ext.ops()
+    allowed = lib.cpu_features() if lib is not None else 0
+    try:
+        for features in ([allowed, 0] if library == "compiled" else [None]):
+            if features is not None:
+                lib.set_cpu_features(features)
+            got = silu_mul(x)
+            assert got.dtype == dtype and got.shape == (9, f)
+            torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+            assert all(torch.equal(got[i:i + 1], silu_mul(x[i:i + 1])) for i in range(9))
+            assert torch.equal(silu_mul(x.view(3, 3, 2 * f)), got.view(3, 3, f))
+            if features is None:
+                continue
+            edges = torch.tensor([[float("-inf"), float("inf"), -90.0, 2.0, 2.0, 2.0, 3.0, 5.0]], dtype=dtype)
+            silu_2 = 2 / (1 + math.exp(-2))
+            assert silu_mul(edges).float().tolist() == [[0.0, float("inf"), 0.0, pytest.approx(silu_2 * 5, rel=tol)]]
+    finally:
+        if lib is not None:
+            lib.set_cpu_features(allowed)
+    torch.testing.assert_close(silu_mul_reference(x).double(), ref, atol=2 * tol * ref.abs().max().item(), rtol=2 * tol)
 
 
 def _key_lists(g, rows, slots):

@@ -57,6 +57,37 @@ def test_each_nvfp4_path_matches_reference(isa, shape):
             _close(y, nvfp4.linear_reference(x, codes, scale, row_scale))
 
 
+def test_bf16_out_is_torch_rounding_of_the_float32_result(isa):
+    """`bf16_out` (what the runtime asks for bf16 activations) rounds y in the op: the bits of
+    torch's .to(bfloat16) of the float32 result, on every path, for both ops, at sizes with and
+    without a remainder of 16 elements, including values that round up to the next binade, to
+    infinity, and ties."""
+    codes, scale, row_scale = _weight(151, 896, seed=5)
+    lib = cpu_ext.ops()
+    for dtype in _x_dtypes(isa):
+        for n in (1, 3, 17):
+            x = torch.randn(n, 896).to(dtype)
+            want = lib.nvfp4_linear(x, codes, scale.view(torch.uint8), row_scale, isa.path)
+            got = lib.nvfp4_linear(x, codes, scale.view(torch.uint8), row_scale, isa.path, True)
+            assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16)), (dtype, n)
+            w = torch.randn(151, 896).to(dtype)
+            if isa.name == "amx" or w.dtype == x.dtype:
+                want = lib.dense_linear(x, w, isa.path)
+                assert torch.equal(lib.dense_linear(x, w, isa.path, True), want.to(torch.bfloat16)), (dtype, n)
+    # rounding itself: a weight row of ones against x = the values to round (one product each)
+    values = torch.tensor([1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 1.99999, 3.3999e38, -2.5e-40, 0.0, 7e-45, -3.0] * 3)
+    w = torch.zeros(values.numel(), 16)
+    w[:, 0] = values
+    x = torch.zeros(1, 16)
+    x[0, 0] = 1.0
+    for isa_path in ([isa.path] if not isa.bf16_only else []):
+        want = lib.dense_linear(x, w, isa_path)
+        assert torch.equal(want[0], values)
+        got = lib.dense_linear(x, w, isa_path, True)
+        assert torch.equal(got.view(torch.int16), want.to(torch.bfloat16).view(torch.int16)), got
+        assert got[0, 4].item() == float("inf") and got[0, 1].item() == 1.0 and got[0, 2].item() == 1 + 2 ** -6
+
+
 def test_block_scales_of_every_kind_decode_exactly(isa):
     """Negative, subnormal and zero fp8 block scales (which the fast scale conversion leaves to
     the exact one) next to ordinary ones."""
