@@ -311,6 +311,7 @@ class Rank0:
         self.http = HttpServer(sock)
 
     def run(self, plan) -> int:
+        from hetero_run.kernels import cpu_ext
         from hetero_run.launch.server.live import LiveLine
         from hetero_run.launch.server.prompts import Prompter
         from hetero_run.runtime.engine.api import EngineState
@@ -330,6 +331,7 @@ class Rank0:
             self.app.state.prompter = prompter
             self.engine.start(LLMEngine(runner, loaded.tokenizer, self.engine_config, loaded.drafter,
                                         self.config.speculation))
+            cpu_ext.release_thread_pool()  # the engine's thread computes from now on: one pool of workers
             if self.dist.heartbeat is not None:
                 self.dist.heartbeat.on_peer_lost = self._peer_lost
             kv = loaded.model.kv
