@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from hetero_run.kernels.sampling import SamplingParams
 from hetero_run.launch.server import protocol
 from hetero_run.launch.server.errors import APIError, bad_request, unavailable
-from hetero_run.launch.server.sse import DONE, Channel, event
+from hetero_run.launch.server.sse import DONE, Channel, Mailbox, event
 from hetero_run.runtime.engine.api import EngineState, EngineUnavailable, GenerationRequest, QueueFull
 
 log = logging.getLogger("hetero_run.launch.server")
@@ -49,6 +49,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
     app = FastAPI(title="hetero-run", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.prompter = None
     app.state.open_requests = 0
+    app.state.mailbox = None  # the event loop's Mailbox, made on the loop's first request
     if settings.allowed_origins:
         from fastapi.middleware.cors import CORSMiddleware
 
@@ -63,6 +64,12 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
         return APIError(exc.status_code, message).response()
+
+    def mailbox() -> Mailbox:
+        loop = asyncio.get_running_loop()
+        if app.state.mailbox is None or app.state.mailbox.loop is not loop:
+            app.state.mailbox = Mailbox(loop)
+        return app.state.mailbox
 
     def unavailable_error() -> APIError:
         return unavailable(engine.error if engine.state is EngineState.FAILED else STATE_MESSAGES[engine.state])
@@ -118,7 +125,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         ids = protocol.ResponseIds("chatcmpl" if chat else "cmpl", settings.model)
         generation = GenerationRequest(ids.id, generation.prompt, generation.max_new_tokens, generation.sampling,
                                        generation.stop_ids, generation.stop_strings, arrival)
-        channel = Channel(asyncio.get_running_loop(), metrics.timer(arrival).observe)
+        channel = Channel(mailbox(), metrics.timer(arrival).observe)
         channel.prompt_ids = generation.prompt.target_ids
         try:
             engine.submit(generation, channel.sink)
