@@ -7,8 +7,9 @@
 All locks and queues live here (the step loop in engine.py has none). Callers' threads only
 put requests and cancellations into the inbox under the lock; the engine's thread moves them
 into the step loop between steps and runs steps while anything is running or waiting, so a new
-request joins the running batch at the next step. Every request's sink is guarded: after its
-final event nothing more reaches it, whichever thread ended it.
+request joins the running batch at the next step. The events of a step reach the sinks together
+when it ends (the server's sinks then wake its event loop once for all of them). Every request's
+sink is guarded: after its final event nothing more reaches it, whichever thread ended it.
 
 Errors: a `UserError` while a request is added ends that request only (it can never run here).
 Any exception from a step means the ranks may no longer agree (a peer is gone, a collective
@@ -71,6 +72,7 @@ class BatchEngine:
         self._cancels: dict[str, str | None] = {}  # request -> why, for its final event
         self._live: dict[str, _Handle] = {}  # handed to the step loop, not finished
         self._thread: threading.Thread | None = None
+        self._held: list[tuple[_Handle, GenerationEvent]] | None = None  # a running step's events
 
     def start(self, engine) -> None:
         """READY: serve through `engine` (an LLMEngine) on a new thread."""
@@ -185,7 +187,13 @@ class BatchEngine:
                 for request_id, why in cancels.items():
                     engine.cancel(request_id, why)
                 if engine.has_work():
-                    engine.step()
+                    self._held = []
+                    try:
+                        engine.step()
+                    finally:  # a step's events go out together: the loop they wake takes them all at once
+                        held, self._held = self._held, None
+                        for handle, event in held:
+                            self._deliver(handle, event)
             except BaseException as exc:  # the ranks may disagree now: nothing more runs
                 log.debug("engine step failed", exc_info=True)
                 self.fail(self.describe_failure(exc))
@@ -199,10 +207,17 @@ class BatchEngine:
                 return
             self._live[handle.request.request_id] = handle
         try:
-            self.engine.add(handle.request, lambda event, h=handle: self._deliver(h, event))
+            self.engine.add(handle.request, lambda event, h=handle: self._sink(h, event))
         except UserError as exc:  # this request can never run here; the others go on
             with self._lock:
                 self._final(handle, "error", str(exc))
+
+    def _sink(self, handle: _Handle, event: GenerationEvent) -> None:
+        """The engine's sink for `handle`: during a step the event waits for the step's end."""
+        if self._held is not None:
+            self._held.append((handle, event))
+        else:
+            self._deliver(handle, event)
 
     def _deliver(self, handle: _Handle, event: GenerationEvent) -> None:
         with self._lock:

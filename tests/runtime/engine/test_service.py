@@ -114,6 +114,34 @@ def test_requests_run_together_each_ending_with_one_final_event(setup):
     assert engine.stats().kv_blocks_free == engine.stats().kv_blocks_total
 
 
+def test_a_steps_events_reach_the_sinks_when_the_step_ends(setup):
+    """Events wait for the end of the step that made them, so the server's sinks wake its event
+    loop once for all of them; each request's still come in order, the final one last."""
+    engine, runner, out = setup()
+    inner, stepping, during = engine.engine.step, threading.Event(), []
+
+    def step():
+        stepping.set()
+        try:
+            inner()
+        finally:
+            stepping.clear()
+
+    def sink(event):
+        during.append(stepping.is_set())
+        out.sink(event)
+
+    engine.engine.step = step
+    runner.gate.clear()
+    for i in range(3):
+        engine.submit(request(f"r{i}", max_new=4), sink)
+    runner.gate.set()
+    for i in range(3):
+        assert out.final(f"r{i}").finish_reason == "length" and len(out.tokens(f"r{i}")) == 4
+        assert [e.final for e in out.by_id[f"r{i}"]][-1] is True
+    assert len(during) >= 12 and not any(during)
+
+
 def test_the_queue_is_bounded(setup):
     engine, runner, out = setup(max_queue=2, max_num_seqs=1)
     runner.gate.clear()
