@@ -93,3 +93,28 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def rope_write(qk: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, write_slots: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rotary on the q and k heads of qk [n, heads + kv_heads, d] (cos, sin [n, 1, d] with sin's
+    sign folded in, runtime/models/rotary.py), the rotated k and v [n, kv_heads, d] written to
+    the caches [kv_heads, slots, d] at write_slots [n]; -> q [n, heads, d]. The compiled kernel
+    (bf16) gives PyTorch's bits in one call instead of seven."""
+    lib = cpu_ext.ops()
+    if (lib is not None and qk.is_cpu and qk.dtype == torch.bfloat16 and v.dtype == cos.dtype == sin.dtype
+            == k_cache.dtype == v_cache.dtype == torch.bfloat16 and qk.stride(2) == 1 and qk.stride(1) == qk.shape[2]
+            and v.stride(2) == 1 and v.stride(1) == v.shape[2] and k_cache.stride(2) == 1 and v_cache.stride(2) == 1
+            and k_cache.stride(1) == k_cache.shape[2] and v_cache.stride(1) == v_cache.shape[2]):
+        n, d = qk.shape[0], qk.shape[2]
+        return lib.rope_write(qk, v, cos.reshape(n, d).contiguous(), sin.reshape(n, d).contiguous(), k_cache,
+                              v_cache, write_slots.contiguous(), heads)
+    return rope_write_reference(qk, v, cos, sin, k_cache, v_cache, write_slots, heads)
+
+
+def rope_write_reference(qk, v, cos, sin, k_cache, v_cache, write_slots, heads):
+    rotated = qk * cos + qk.roll(qk.shape[-1] // 2, dims=-1) * sin
+    q, k = rotated.split((heads, qk.shape[1] - heads), dim=1)
+    k_cache[:, write_slots] = k.transpose(0, 1)
+    v_cache[:, write_slots] = v.transpose(0, 1)
+    return q

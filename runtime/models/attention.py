@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hetero_run.kernels.decode_ops import paged_attention
+from hetero_run.kernels.decode_ops import paged_attention, rope_write
 from hetero_run.runtime.models.linear import ColumnParallelLinear, RowParallelLinear
 from hetero_run.runtime.models.rotary import Rotary
 
@@ -59,8 +59,7 @@ class Attention:
         v = qkv[:, self.qk_size:].view(n, self.kv_heads, self.head_dim)
         if self.qk_norm is not None:  # q and k normalised (and then rotated) together
             qk = F.rms_norm(qk, (self.head_dim,), eps=self.eps) * self.qk_norm
-        q, k = self.rotary.apply(qk, cos, sin).split((self.heads, self.kv_heads), dim=1)
-        self.k_cache[:, rows.write_slots] = k.transpose(0, 1)
-        self.v_cache[:, rows.write_slots] = v.transpose(0, 1)
+        # q and k rotated (Rotary.apply's arithmetic), k and v written to their slots
+        q = rope_write(qk, v, cos, sin, self.k_cache, self.v_cache, rows.write_slots, self.heads)
         out = paged_attention(q, self.k_cache, self.v_cache, rows.key_slots, rows.key_offsets, self.scale)
         return self.o(out.reshape(n, self.heads * self.head_dim))

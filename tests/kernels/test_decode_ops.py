@@ -13,6 +13,8 @@ from hetero_run.kernels.decode_ops import (
     paged_attention,
     paged_attention_reference,
     rms_norm,
+    rope_write,
+    rope_write_reference,
     silu_mul,
     silu_mul_reference,
 )
@@ -120,6 +122,41 @@ def test_silu_mul_matches_float64_and_is_row_by_row(library, dtype, tol, f):
         if lib is not None:
             lib.set_cpu_features(allowed)
     torch.testing.assert_close(silu_mul_reference(x).double(), ref, atol=2 * tol * ref.abs().max().item(), rtol=2 * tol)
+
+
+@pytest.mark.parametrize("heads, kv_heads, d", [(14, 2, 64), (4, 4, 128), (2, 1, 40)])
+def test_rope_write_gives_pytorchs_bits_and_fills_the_slots(heads, kv_heads, d):
+    """The compiled rotary + cache write equals PyTorch's three bf16 operations and two index_put
+    bit for bit: q, and the k and v rows at their slots (nothing else in the cache moves), for q/k
+    as a strided view of the fused qkv output, on the AVX-512 loop and the scalar one (d = 40 has
+    a half of 20, which takes the scalar loop everywhere)."""
+    lib = cpu_ext.ops()
+    if lib is None:
+        pytest.skip("the compiled kernels do not build here")
+    g = torch.Generator().manual_seed(d)
+    n, slots = 5, 32
+    qkv = (torch.randn(n, (heads + 2 * kv_heads) * d, generator=g) * 3).bfloat16()
+    qk = qkv[:, :(heads + kv_heads) * d].view(n, heads + kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(n, kv_heads, d)
+    angles = torch.randn(n, 1, d, generator=g) * 3
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    write = torch.randperm(slots, generator=g)[:n]
+    cache = torch.randn(2, 3, kv_heads, slots, d, generator=g).bfloat16()  # [k|v, layer, ...]: a layer's view
+    want_k, want_v = cache[0, 1].clone(), cache[1, 1].clone()
+    want_q = rope_write_reference(qk, v, cos, sin, want_k, want_v, write, heads)
+    allowed = lib.cpu_features()
+    try:
+        for features in (allowed, 0):
+            lib.set_cpu_features(features)
+            k_cache, v_cache = cache[0, 1].clone(), cache[1, 1].clone()
+            q = rope_write(qk, v, cos, sin, k_cache, v_cache, write, heads)
+            assert q.is_contiguous() and torch.equal(q, want_q), features
+            assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), features
+    finally:
+        lib.set_cpu_features(allowed)
+    with pytest.raises(RuntimeError, match="write slot 32 is outside the cache of 32"):
+        lib.rope_write(qk, v, cos.reshape(n, d), sin.reshape(n, d), cache[0, 1], cache[1, 1],
+                       torch.tensor([0, 1, 2, 3, slots]), heads)
 
 
 def _key_lists(g, rows, slots):
