@@ -50,8 +50,7 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
     """
     logits = logits.float()
     if params.greedy:
-        top = argmax_rows(logits) if logits.dim() == 2 else logits.argmax(-1)
-        return torch.nn.functional.one_hot(top, logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax_rows(logits), logits.shape[-1]).float()
     logits = logits / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]
@@ -92,7 +91,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """[n, vocab] probabilities -> [n] token ids (argmax when `generator` is None)."""
     if generator is None:
-        return argmax_rows(probs) if probs.dim() == 2 else probs.argmax(-1)
+        return argmax_rows(probs)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

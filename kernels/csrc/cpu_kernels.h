@@ -69,21 +69,24 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// float -> bf16 bits, rounded to nearest even as torch's vectorised .to(torch.bfloat16) does
-// (a NaN becomes 0xFFFF), so a kernel that rounds its own output gives torch's bits.
+// float -> bf16 bits, rounded to nearest even as torch's .to(torch.bfloat16) does, so a kernel
+// that rounds its own output gives torch's bits; a NaN stays a NaN of the same sign (its top
+// bits, made quiet). Every kernel that narrows float32 to bf16 uses these two.
 inline uint16_t round_bf16(float v) {
-  if (std::isnan(v)) return 0xFFFF;
   uint32_t bits;
   std::memcpy(&bits, &v, 4);
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x7fffffu)) return static_cast<uint16_t>((bits >> 16) | 0x40);
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
 #if HR_X86
 HR_AVX512 inline __m256i round_bf16x16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+  const __m512i top = _mm512_srli_epi32(bits, 16);
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_and_si512(top, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF))),
+      16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(top, _mm512_set1_epi32(0x40)));
   return _mm512_cvtepi32_epi16(r);
 }
 #endif

@@ -50,16 +50,7 @@ namespace {
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t h) { return bf16_to_float(h); }
 inline void store(float* p, float v) { *p = v; }
-inline void store(uint16_t* p, float v) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x7fffffu)) {
-    *p = static_cast<uint16_t>((bits >> 16) | 0x40);  // quiet NaN
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *p = static_cast<uint16_t>(bits >> 16);
-}
+inline void store(uint16_t* p, float v) { *p = round_bf16(v); }
 
 // ---------------------------------------------------------------- portable loops
 
@@ -113,7 +104,7 @@ HR_AVX512 inline __m512 load16(const uint16_t* p) {
 }
 HR_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 HR_AVX512 inline void store16(uint16_t* p, __m512 v) {
-  for (int i = 0; i < 16; ++i) store(p + i, v[i]);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), round_bf16x16(v));
 }
 
 // exp for the softmax: 2^n * e^r with |r| <= ln2/2, e^r by a degree-6 polynomial (relative
