@@ -79,6 +79,9 @@ def setup_logging(rank: int = 0, verbose: bool = False, log_dir: str | Path | No
         )
         file_handler.setLevel(logging.DEBUG)
         logger.addHandler(file_handler)
+    # records below every handler's level are never made: a server's per-round debug lines cost
+    # nothing unless some handler writes them
+    logger.setLevel(min(h.level for h in logger.handlers))
 
 
 def get_logger(name: str) -> logging.Logger:

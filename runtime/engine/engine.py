@@ -125,9 +125,9 @@ class LLMEngine:
         logits = self.runner.step(batch)
         seconds = time.perf_counter() - begin
         self.speculation.measured_forward(batch.rows, seconds)
-        self._postprocess(scheduled, rounds, spans, logits, seconds)
+        emitted = self._postprocess(scheduled, rounds, spans, logits, seconds)
         if all(item.rows == 1 for item in scheduled):  # decode and verify rows only: what drafts add
-            self.speculation.measured_step(batch.rows, time.perf_counter() - planned)
+            self.speculation.measured_step(batch.rows, time.perf_counter() - planned, emitted)
         self.steps += 1
         if log.isEnabledFor(logging.DEBUG):
             log.debug("step %d: %d sequences, %d rows (%d of them draft rows), planning %.1f ms, forward %.1f ms, "
@@ -186,13 +186,14 @@ class LLMEngine:
                              as_long(copies).T.contiguous() if copies else None)
         return batch, spans
 
-    def _postprocess(self, scheduled: list[Scheduled], rounds: dict, spans: list, logits, seconds: float) -> None:
+    def _postprocess(self, scheduled: list[Scheduled], rounds: dict, spans: list, logits, seconds: float) -> int:
+        """Verify and commit each sequence's rows; the tokens the step emitted."""
         now = time.monotonic()
         deciding = [i for i, span in enumerate(spans) if span is not None]
         shares = dict(zip(deciding, self.speculation.shares(
             [scheduled[i].rows + (rounds[i].plan.k if i in rounds else 0) for i in deciding], seconds)
             if deciding else [], strict=True))
-        draft_rows, kept_tokens = [], []
+        draft_rows, kept_tokens, emitted = [], [], 0
         for i, item in enumerate(scheduled):
             seq = item.seq
             if spans[i] is None:  # a prefill chunk that does not reach the prompt's end
@@ -218,12 +219,14 @@ class LLMEngine:
                     seq.draft_tokens += r.plan.k
                     seq.accepted_tokens += kept - 1
             seq.computed = start + kept  # the pending token and the accepted drafts
+            emitted += kept
             self.blocks.shrink(seq.table, seq.computed + 1)
             self.blocks.commit(seq.table, seq.token_ids, seq.computed)
             if seq.first_token_at is None:
                 seq.first_token_at = now
             self._emit(seq, new)
         self.speculation.measured_rounds(draft_rows, kept_tokens)
+        return emitted
 
     def _keep_branch(self, seq: Sequence, start: int, rows: list[int]) -> None:
         """A tree verify kept `rows` (row 0, then the accepted path): their K/V move to the positions

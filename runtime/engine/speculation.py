@@ -36,6 +36,16 @@ step, so a row count measured once under other load is corrected as soon as step
 run again. Each sequence is still handed its share of the forward (`shares`: a fixed part
 evenly, the rest by rows, from a line fitted to forward times): its reported verify seconds and
 the draft lengths of a fixed algorithm (`DraftLength`) are measured in those.
+
+The pricing is an estimate, and among many sequences it sits near break-even: at 16 clients a
+CPU step's rows all cost arithmetic, so a draft row is worth at most the token it may keep, and
+proposing itself costs time (16 sequences' proposers, the drafter's forwards). Estimates a few
+per cent off there drafted steps that served fewer tokens a second than plain ones (TP=2, 16
+clients: a proposing step of 26 rows served its tokens at the plain steps' rate, longer ones
+below it). So what proposing did is measured too (`ProposingOutcome`): per count of deciding
+sequences, the seconds per emitted token of steps whose rounds proposed against those of steps
+whose rounds did not; where proposing has served slower, its steps stop proposing, one step in
+`PROBE_EVERY` excepted, which keeps the figure current as the load changes.
 """
 
 from __future__ import annotations
@@ -56,6 +66,48 @@ log = logging.getLogger("hetero_run.runtime.engine.speculation")
 # add: longer steps also delay what the step's accounting does not see (the next requests'
 # prefill, the turnover of finishing ones); at 16 clients a tie by that accounting served less.
 BATCH_MARGIN = 0.25
+
+
+class ProposingOutcome:
+    """Seconds per emitted token of decode-and-verify steps, by how many sequences decided in the
+    step and whether their rounds proposed: proposing stays on at a count of deciding sequences
+    unless both are measured (`MIN_STEPS` each) and the proposing steps were the slower."""
+
+    MIN_STEPS = 4
+    PROBE_EVERY = 16  # while proposing is off at a count, every this many steps there propose anyway
+
+    def __init__(self):
+        self.seconds_per_token: dict[tuple[int, bool], _Mean] = {}
+        self.steps: dict[tuple[int, bool], int] = {}
+        self.since_proposing: dict[int, int] = {}
+
+    def record(self, deciding: int, proposed: bool, seconds: float, tokens: int) -> None:
+        if deciding < 1 or tokens < 1:
+            return
+        key = (deciding, proposed)
+        self.seconds_per_token.setdefault(key, _Mean()).add(seconds / tokens)
+        self.steps[key] = self.steps.get(key, 0) + 1
+        self.since_proposing[deciding] = 0 if proposed else self.since_proposing.get(deciding, 0) + 1
+
+    def pays(self, deciding: int) -> bool | None:
+        """Whether proposing served tokens faster at this count; None until both are measured."""
+        if min(self.steps.get((deciding, p), 0) for p in (True, False)) < self.MIN_STEPS:
+            return None
+        return self.seconds_per_token[deciding, True].value < self.seconds_per_token[deciding, False].value
+
+    def allows(self, deciding: int) -> bool:
+        """Whether this step's rounds may propose (the cost model still decides what)."""
+        if self.pays(deciding) is not False:
+            return True
+        return self.since_proposing.get(deciding, 0) + 1 >= self.PROBE_EVERY
+
+    def summary(self, deciding: int) -> str:
+        parts = []
+        for proposed, name in ((True, "proposing"), (False, "plain")):
+            mean = self.seconds_per_token.get((deciding, proposed))
+            parts.append(f"{name} {mean.value * 1e3:.2f} ms/token over {self.steps[deciding, proposed]} steps"
+                         if mean is not None else f"{name} unmeasured")
+        return ", ".join(parts)
 
 
 def drafts_can_pay(estimate, max_rows: int) -> bool:
@@ -121,6 +173,8 @@ class Speculation:
         self.step_seconds = VerifyCost()  # a step's seconds by its row count
         self.drafts_per_round = _Mean(0.0, 1e-9)  # draft rows a deciding sequence verified lately
         self.tokens_per_round = _Mean(1.0, 1e-9)  # and the tokens it kept
+        self.outcome = ProposingOutcome()
+        self.proposing = (0, False)  # the step being run: its deciding sequences, whether they proposed
 
     @property
     def algorithm(self) -> str:
@@ -140,10 +194,13 @@ class Speculation:
         """The target forward of a step (what `shares` splits)."""
         self.step_cost.add(rows, seconds)
 
-    def measured_step(self, rows: int, seconds: float) -> None:
-        """A whole step: the rounds' planning (proposers, drafter), the forward, verifying and
-        committing every sequence's rows (what the step pricing charges)."""
+    def measured_step(self, rows: int, seconds: float, tokens: int) -> None:
+        """A whole step of decode and verify rows that emitted `tokens`: the rounds' planning
+        (proposers, drafter), the forward, verifying and committing every sequence's rows (what
+        the step pricing charges, and what proposing did)."""
         self.step_seconds.record(rows, seconds)
+        deciding, proposed = self.proposing
+        self.outcome.record(deciding, proposed, seconds, tokens)
 
     def measured_rounds(self, draft_rows: list[int], kept: list[int]) -> None:
         """A step's rounds: each deciding sequence's draft rows and the tokens it kept."""
@@ -216,6 +273,7 @@ class Speculation:
                 view.bind(i, lambda seq=seq: seq.computed)
             if item.decides and getattr(seq.speculation, "session", None) is not None:
                 deciding.append(i)  # not a prompt chunk, nor the prompt's last row (`first` decides that one)
+        self.proposing = (len(deciding), False)
         if not deciding:
             return {}
         base_rows = sum(item.rows for item in scheduled)
@@ -224,6 +282,12 @@ class Speculation:
         share = min(budget // len(deciding), blocks.num_free // len(deciding) * blocks.block_size)
         estimate = self.verify_estimate(base_rows, len(deciding))
         can_pay = drafts_can_pay(estimate, self.shared.config.max_verify_rows)
+        if can_pay and not self.outcome.allows(len(deciding)):
+            can_pay = False
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%d deciding sequences: not proposing, it served slower (%s)", len(deciding),
+                          self.outcome.summary(len(deciding)))
+        self.proposing = (len(deciding), can_pay)
         for i in deciding:
             item = scheduled[i]
             item.seq.speculation.verify_estimate = estimate

@@ -140,3 +140,32 @@ def test_a_seeded_sampled_request_among_others_returns_what_it_returns_alone(alg
         plain = [t for ids in target.tokens(list(request.prompt.target_ids), NEW, set()) for t in ids]
         assert alone == tuple(plain), request.request_id  # the target alone, same seed
     assert len(set(together.values())) == len(requests)
+
+
+def test_where_proposing_served_slower_the_steps_do_not_propose():
+    """engine.speculation: the steps of a count of deciding sequences where proposing was measured
+    slower than not proposing skip the proposers but for one probe in PROBE_EVERY, and the output is
+    still the target's."""
+    from hetero_run.runtime.engine.speculation import ProposingOutcome
+
+    engine = _engine("auto", "sentencepiece")
+    spec = engine.speculation
+    for deciding in range(1, 5):  # as if measured: proposing 1 s a token, plain steps 0.1 ms
+        for _ in range(ProposingOutcome.MIN_STEPS):
+            spec.outcome.record(deciding, True, 1.0, 1)
+            spec.outcome.record(deciding, False, 1e-4, 1)
+    steps: dict[int, list[bool]] = {}
+    measured = spec.measured_step
+
+    def spy(rows, seconds, tokens):
+        deciding, proposed = spec.proposing
+        steps.setdefault(deciding, []).append(proposed)
+        measured(rows, seconds, tokens)
+
+    spec.measured_step = spy
+    tokens = _run(engine, [_request(i, prompt) for i, prompt in enumerate(PROMPTS)])
+    for i, prompt in enumerate(PROMPTS):
+        assert tokens[f"r{i}"] == reference(prompt), prompt
+    assert sum(len(v) for v in steps.values()) >= NEW // 2
+    for deciding, proposed in steps.items():
+        assert sum(proposed) <= len(proposed) // ProposingOutcome.PROBE_EVERY, (deciding, proposed)

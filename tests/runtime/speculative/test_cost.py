@@ -134,6 +134,18 @@ def _step_seconds(rows: int) -> float:
     return 0.040 + 0.002 * (rows - 1)
 
 
+def _step_planner():
+    """engine.speculation.Speculation with only its step timing (no runner, tokenizer or drafter)."""
+    from hetero_run.runtime.engine.speculation import ProposingOutcome, Speculation
+    from hetero_run.runtime.speculative.adaptive import _Line, _Mean
+
+    planner = Speculation.__new__(Speculation)
+    planner.step_cost, planner.step_seconds = _Line(), VerifyCost()
+    planner.drafts_per_round, planner.tokens_per_round = _Mean(0.0, 1e-9), _Mean(1.0, 1e-9)
+    planner.outcome, planner.proposing = ProposingOutcome(), (0, False)
+    return planner
+
+
 def test_a_batched_sequence_prices_its_rows_from_the_step_it_joins():
     """engine.speculation: in a step of D deciding sequences bringing B rows without drafts, r
     verify rows cost a sequence t(B') / (1 + (D - 1) e) + t(B' + r - 1) - t(B'), from steps timed
@@ -142,15 +154,12 @@ def test_a_batched_sequence_prices_its_rows_from_the_step_it_joins():
     verify figures mix steps of every batch size: a figure measured for 8 rows when 8 rows ran
     among slower steps stays while no sequence drafts 8 rows again, and priced by it sequences
     draft short (a server at 4 clients chose the target alone with 0.92 acceptance that way)."""
-    from hetero_run.runtime.engine.speculation import BATCH_MARGIN, Speculation
-    from hetero_run.runtime.speculative.adaptive import _Line, _Mean
+    from hetero_run.runtime.engine.speculation import BATCH_MARGIN
 
-    planner = Speculation.__new__(Speculation)  # only its step timing is used here
-    planner.step_cost, planner.step_seconds = _Line(), VerifyCost()
-    planner.drafts_per_round, planner.tokens_per_round = _Mean(0.0, 1e-9), _Mean(1.0, 1e-9)
+    planner = _step_planner()
     for _ in range(3):
         for rows in range(1, 200):
-            planner.measured_step(rows, _step_seconds(rows))
+            planner.measured_step(rows, _step_seconds(rows), rows)
     alone = planner.verify_estimate(1, 1)
     assert [alone(r) for r in (1, 5, 9)] == pytest.approx([_step_seconds(r) for r in (1, 5, 9)])
     four = planner.verify_estimate(4, 4)  # among others, extra rows carry the margin
@@ -181,16 +190,13 @@ def test_a_batched_sequence_prices_its_rows_from_the_step_it_joins():
 def test_a_step_where_no_draft_can_pay_skips_proposing():
     """engine.speculation.drafts_can_pay: r rows can yield r tokens at most, so when r tokens in
     estimate(r) never beat one token in estimate(1), no proposal can be chosen and none is made."""
-    from hetero_run.runtime.engine.speculation import BATCH_MARGIN, Speculation, drafts_can_pay
-    from hetero_run.runtime.speculative.adaptive import _Line, _Mean
+    from hetero_run.runtime.engine.speculation import BATCH_MARGIN, drafts_can_pay
 
     def planner_for(step_seconds):
-        planner = Speculation.__new__(Speculation)
-        planner.step_cost, planner.step_seconds = _Line(), VerifyCost()
-        planner.drafts_per_round, planner.tokens_per_round = _Mean(0.0, 1e-9), _Mean(1.0, 1e-9)
+        planner = _step_planner()
         for _ in range(3):
             for rows in range(1, 80):
-                planner.measured_step(rows, step_seconds(rows))
+                planner.measured_step(rows, step_seconds(rows), rows)
         return planner
 
     cheap = planner_for(_step_seconds)  # rows 2 ms over a 40 ms step: drafts pay alone and at 16
@@ -203,3 +209,40 @@ def test_a_step_where_no_draft_can_pay_skips_proposing():
     assert BATCH_MARGIN > 0
     # alone the same rows tie at best (r tokens in r x 6 ms): not worth proposing either
     assert not drafts_can_pay(compute.verify_estimate(1, 1), 17)
+
+
+def test_proposing_that_served_slower_stops_but_for_probes():
+    """engine.speculation.ProposingOutcome: per count of deciding sequences, steps whose rounds
+    proposed are compared with steps whose rounds did not, by seconds per emitted token; where the
+    proposing ones were slower, proposing stops there, one step in PROBE_EVERY excepted."""
+    from hetero_run.runtime.engine.speculation import ProposingOutcome
+
+    outcome = ProposingOutcome()
+    for _ in range(ProposingOutcome.MIN_STEPS - 1):
+        outcome.record(16, True, 0.130, 16)  # 8.1 ms a token
+        outcome.record(16, False, 0.112, 16)  # 7.0 ms a token
+    assert outcome.pays(16) is None and outcome.allows(16), "not measured enough to judge"
+    outcome.record(16, True, 0.190, 25)  # 7.6 ms a token: still slower
+    outcome.record(16, False, 0.112, 16)
+    assert outcome.pays(16) is False
+    allowed = []
+    for _ in range(3 * ProposingOutcome.PROBE_EVERY):
+        allowed.append(outcome.allows(16))
+        outcome.record(16, allowed[-1], 0.140 if allowed[-1] else 0.112, 16)
+    probes = [i for i, allow in enumerate(allowed) if allow]
+    # one plain step was recorded last: the first probe comes PROBE_EVERY steps after it, then every PROBE_EVERY
+    assert probes[0] == ProposingOutcome.PROBE_EVERY - 2, allowed
+    gaps = [b - a for a, b in zip(probes[:-1], probes[1:], strict=True)]
+    assert gaps == [ProposingOutcome.PROBE_EVERY] * (len(probes) - 1), allowed
+    assert outcome.allows(1) and outcome.pays(1) is None, "another count of sequences has its own figures"
+
+    faster = ProposingOutcome()  # alone, drafts pay: proposing stays on
+    for _ in range(2 * ProposingOutcome.MIN_STEPS):
+        faster.record(1, True, 0.045, 3)
+        faster.record(1, False, 0.025, 1)
+    assert faster.pays(1) and all(faster.allows(1) for _ in range(40))
+    for _ in range(30):  # the load changes: proposing's figure turns slower, and it stops
+        faster.record(1, True, 0.080, 2)
+    assert faster.pays(1) is False and not faster.allows(1)
+    faster.record(1, False, 0.025, 1)
+    assert not faster.allows(1)
