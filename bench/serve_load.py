@@ -10,6 +10,11 @@ time and requests; against a running server, or launching the servers itself.
 rank's peak memory, then sends SIGTERM to rank 0 and waits until every process has exited
 (whatever happened). Configurations: `off` (the target alone, `--algorithm none`) and
 `adaptive` (`--drafter D --algorithm auto`), fed the same prompts in the same order.
+The servers are up together and take turns level by level (the order alternating from one
+level to the next), so the two figures of a level are measured about a minute apart, not a
+whole run apart: this host's speed drifts by 10-25% within minutes. An idle server takes
+under 1% of a core. `--one-at-a-time` runs each configuration's levels in turn with only its
+server up (a target that fits in memory once).
 
 Per level each client sends chat requests one after another (bench/prompts/speculative.jsonl,
 round robin) until --duration has passed or --max-requests were sent; a request started
@@ -218,33 +223,65 @@ async def second_turn(args, url: str) -> dict:
 
 
 def run_launched(args, prompts: list[str]) -> dict:
-    out = {}
-    for name in args.configs:
-        argv = server_argv(args, name)
-        print(f"\n== {name}: {' '.join(argv)}", flush=True)
-        plan = planned_bytes(args, name)
-        server = Launched(name, argv, args.log_dir / name, args.tp)
-        result = {"argv": argv, "tp": args.tp, "log_dir": str(server.log_dir)}
-        try:
-            server.start(args.startup_timeout)
+    if args.one_at_a_time:
+        out = {}
+        for name in args.configs:
+            out.update(_with_servers(args, [name], prompts))
+        return out
+    return _with_servers(args, args.configs, prompts)
+
+
+def _with_servers(args, names: list[str], prompts: list[str]) -> dict:
+    """Start the servers of `names`, measure every level on each (taking turns), then stop them."""
+    out, servers, plans = {}, {}, {}
+    try:
+        for name in names:
+            argv = server_argv(args, name)
+            print(f"\n== {name}: {' '.join(argv)}", flush=True)
+            plans[name] = planned_bytes(args, name)
+            server = Launched(name, argv, args.log_dir / name, args.tp)
+            out[name] = {"argv": argv, "tp": args.tp, "log_dir": str(server.log_dir)}
+            servers[name] = server
+            try:
+                server.start(args.startup_timeout)
+            except RuntimeError as exc:
+                out[name]["error"] = str(exc)
+                print(f"  {exc}", flush=True)
+                continue
             print(f"  ready at {server.url} after {server.load_s} s (rank pids {server.pids})", flush=True)
-            result.update(load_s=server.load_s, **measure(args, server.url, prompts))
-            peak = server.peak_memory()
-            result["memory"] = [{"rank": rank, "pid": server.pids[rank], "peak_bytes": peak[rank],
-                                 "plan_bytes": (plan or {}).get(rank),
-                                 "ratio": round(peak[rank] / plan[rank], 3) if plan and peak[rank] else None}
-                                for rank in peak]
-            for m in result["memory"]:
-                print(f"  rank {m['rank']}: peak memory {_gib(m['peak_bytes'])}, planned {_gib(m['plan_bytes'])}",
-                      flush=True)
-        except RuntimeError as exc:
-            result["error"] = str(exc)
-            print(f"  {exc}", flush=True)
-        finally:
+            out[name]["load_s"] = server.load_s
+        ready = [n for n in names if "error" not in out[n]]
+        for name in ready:
+            prepare(args, servers[name].url, prompts)
+        for name in ready:
+            out[name]["levels"] = []
+        for i, level in enumerate(args.levels):
+            for name in (ready if i % 2 == 0 else ready[::-1]):
+                report = measure_level(args, servers[name].url, level, prompts)
+                out[name]["levels"].append(report)
+                if not args.json:
+                    print(f"  {name}: " + level_line(report), flush=True)
+                    for error in report["errors"]:
+                        print(f"      {error}", flush=True)
+        for name in ready:
+            out[name]["second_turn"] = measure_turns(args, servers[name].url, name)
+            peak, plan = servers[name].peak_memory(), plans[name]
+            out[name]["memory"] = [{"rank": rank, "pid": servers[name].pids[rank], "peak_bytes": peak[rank],
+                                    "plan_bytes": (plan or {}).get(rank),
+                                    "ratio": round(peak[rank] / plan[rank], 3) if plan and peak[rank] else None}
+                                   for rank in peak]
+            for m in out[name]["memory"]:
+                print(f"  {name}: rank {m['rank']}: peak memory {_gib(m['peak_bytes'])}, planned "
+                      f"{_gib(m['plan_bytes'])}", flush=True)
+    except RuntimeError as exc:  # a server that stopped answering
+        for name in names:
+            out[name].setdefault("error", str(exc))
+        print(f"  {exc}", flush=True)
+    finally:
+        for name, server in servers.items():
             server.stop(args.drain_timeout + 60)
-            result["exit_code"] = server.exit_code
-            print(f"  stopped (exit status {server.exit_code})", flush=True)
-        out[name] = result
+            out[name]["exit_code"] = server.exit_code
+            print(f"  {name}: stopped (exit status {server.exit_code})", flush=True)
     return out
 
 
@@ -255,32 +292,46 @@ def _gib(n) -> str:
 # -- one server's measurements ------------------------------------------------------------------------
 
 
-def measure(args, url: str, prompts: list[str]) -> dict:
+def prepare(args, url: str, prompts: list[str]) -> None:
+    """The served model's name, then the unmeasured warm-up requests."""
     if args.model is None:
         headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         args.model = httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     for i in range(args.warmup):  # first calls compile and fault in the weights
         asyncio.run(_warm(args, url, prompts[i % len(prompts)]))
-    levels = []
-    for level in args.levels:
-        before = scrape(url)
-        report = asyncio.run(run_level(args, url, level, prompts))
-        report["speculation"] = speculation(before, scrape(url))
-        levels.append(report)
-        if args.json:
-            print(json.dumps(report), flush=True)
-            continue
-        print("  " + level_line(report), flush=True)
-        for error in report["errors"]:
-            print(f"      {error}", flush=True)
+
+
+def measure_level(args, url: str, level: int, prompts: list[str]) -> dict:
+    before = scrape(url)
+    report = asyncio.run(run_level(args, url, level, prompts))
+    report["speculation"] = speculation(before, scrape(url))
+    if args.json:
+        print(json.dumps(report), flush=True)
+    return report
+
+
+def measure_turns(args, url: str, name: str = "") -> dict | None:
     turns = asyncio.run(second_turn(args, url)) if args.turns else None
     if turns and args.json:
         print(json.dumps({"second_turn": turns}), flush=True)
     elif turns:
-        print(f"  second turn: TTFT p50 {turns['turn1_ttft_p50_s']} s -> {turns['turn2_ttft_p50_s']} s "
-              f"(x{turns['ratio']}); turn 2: {turns['turn2_cached_tokens_p50']} of its "
+        print(f"  {name + ': ' if name else ''}second turn: TTFT p50 {turns['turn1_ttft_p50_s']} s -> "
+              f"{turns['turn2_ttft_p50_s']} s (x{turns['ratio']}); turn 2: {turns['turn2_cached_tokens_p50']} of its "
               f"{turns['turn2_prompt_tokens_p50']} prompt tokens cached", flush=True)
-    return {"levels": levels, "second_turn": turns}
+    return turns
+
+
+def measure(args, url: str, prompts: list[str]) -> dict:
+    """Every level, then the second turns, on one running server."""
+    prepare(args, url, prompts)
+    levels = []
+    for level in args.levels:
+        levels.append(measure_level(args, url, level, prompts))
+        if not args.json:
+            print("  " + level_line(levels[-1]), flush=True)
+            for error in levels[-1]["errors"]:
+                print(f"      {error}", flush=True)
+    return {"levels": levels, "second_turn": measure_turns(args, url)}
 
 
 async def _warm(args, url: str, prompt: str) -> None:
@@ -399,6 +450,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --launch: more serve flags, e.g. --serve-arg='--block-size 32' (repeatable)")
     parser.add_argument("--log-dir", type=Path, default=None, help="with --launch: server logs (default: a new "
                         "temporary folder)")
+    parser.add_argument("--one-at-a-time", action="store_true", help="with --launch: one server up at a time, "
+                        "each configuration's levels in turn (default: all up, taking turns level by level)")
     parser.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a server may take to load")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="the servers' --drain-timeout")
     parser.add_argument("--model", default=None, help="the served model name (default: the first of /v1/models)")

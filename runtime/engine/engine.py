@@ -130,9 +130,10 @@ class LLMEngine:
             self.speculation.measured_step(batch.rows, time.perf_counter() - planned, emitted)
         self.steps += 1
         if log.isEnabledFor(logging.DEBUG):
-            log.debug("step %d: %d sequences, %d rows (%d of them draft rows), planning %.1f ms, forward %.1f ms, "
-                      "step %.1f ms", self.steps, len(scheduled), batch.rows, sum(r.plan.k for r in rounds.values()),
-                      (begin - planned) * 1e3, seconds * 1e3, (time.perf_counter() - planned) * 1e3)
+            log.debug("step %d: %d sequences, %d rows (%d of them draft rows), %d tokens, planning %.1f ms, "
+                      "forward %.1f ms, step %.1f ms", self.steps, len(scheduled), batch.rows,
+                      sum(r.plan.k for r in rounds.values()), emitted, (begin - planned) * 1e3, seconds * 1e3,
+                      (time.perf_counter() - planned) * 1e3)
 
     def _batch(self, scheduled: list[Scheduled], rounds: dict) -> tuple[ForwardBatch, list]:
         """One ForwardBatch: each sequence's pending positions, then its round's draft rows (a
