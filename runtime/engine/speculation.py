@@ -43,9 +43,10 @@ proposing itself costs time (16 sequences' proposers, the drafter's forwards). E
 per cent off there drafted steps that served fewer tokens a second than plain ones (TP=2, 16
 clients: a proposing step of 26 rows served its tokens at the plain steps' rate, longer ones
 below it). So what proposing did is measured too (`ProposingOutcome`): per count of deciding
-sequences, the seconds per emitted token of steps whose rounds proposed against those of steps
-whose rounds did not; where proposing has served slower, its steps stop proposing, one step in
-`PROBE_EVERY` excepted, which keeps the figure current as the load changes.
+sequences (in bands: 1, 2, 3-4, 5-8, 9-16, ...), the seconds per emitted token of steps whose
+rounds proposed against those of steps whose rounds did not; where proposing has served slower,
+its steps stop proposing (prompt chunks or not), one step in `PROBE_EVERY` excepted, which keeps
+the figure current as the load changes.
 """
 
 from __future__ import annotations
@@ -68,13 +69,20 @@ log = logging.getLogger("hetero_run.runtime.engine.speculation")
 BATCH_MARGIN = 0.25
 
 
+def load_band(deciding: int) -> int:
+    """The band of a count of deciding sequences: 1, 2, then 3-4, 5-8, 9-16, ... (named by their
+    top). Sequences come and go between steps, so at 16 clients a step decides for 12 to 16 of
+    them: one band pools what those steps measured."""
+    return 1 << max(0, deciding - 1).bit_length()
+
+
 class ProposingOutcome:
-    """Seconds per emitted token of decode-and-verify steps, by how many sequences decided in the
-    step and whether their rounds proposed: proposing stays on at a count of deciding sequences
-    unless both are measured (`MIN_STEPS` each) and the proposing steps were the slower."""
+    """Seconds per emitted token of decode-and-verify steps, by the band of how many sequences
+    decided in the step (`load_band`) and whether their rounds proposed: proposing stays on in a
+    band unless both are measured (`MIN_STEPS` each) and the proposing steps were the slower."""
 
     MIN_STEPS = 4
-    PROBE_EVERY = 16  # while proposing is off at a count, every this many steps there propose anyway
+    PROBE_EVERY = 16  # while proposing is off in a band, every this many of its steps propose anyway
 
     def __init__(self):
         self.seconds_per_token: dict[tuple[int, bool], _Mean] = {}
@@ -84,30 +92,32 @@ class ProposingOutcome:
     def record(self, deciding: int, proposed: bool, seconds: float, tokens: int) -> None:
         if deciding < 1 or tokens < 1:
             return
-        key = (deciding, proposed)
+        band = load_band(deciding)
+        key = (band, proposed)
         self.seconds_per_token.setdefault(key, _Mean()).add(seconds / tokens)
         self.steps[key] = self.steps.get(key, 0) + 1
-        self.since_proposing[deciding] = 0 if proposed else self.since_proposing.get(deciding, 0) + 1
+        self.since_proposing[band] = 0 if proposed else self.since_proposing.get(band, 0) + 1
 
     def pays(self, deciding: int) -> bool | None:
-        """Whether proposing served tokens faster at this count; None until both are measured."""
-        if min(self.steps.get((deciding, p), 0) for p in (True, False)) < self.MIN_STEPS:
+        """Whether proposing served tokens faster in this count's band; None until both are measured."""
+        band = load_band(deciding)
+        if min(self.steps.get((band, p), 0) for p in (True, False)) < self.MIN_STEPS:
             return None
-        return self.seconds_per_token[deciding, True].value < self.seconds_per_token[deciding, False].value
+        return self.seconds_per_token[band, True].value < self.seconds_per_token[band, False].value
 
     def allows(self, deciding: int) -> bool:
         """Whether this step's rounds may propose (the cost model still decides what)."""
         if self.pays(deciding) is not False:
             return True
-        return self.since_proposing.get(deciding, 0) + 1 >= self.PROBE_EVERY
+        return self.since_proposing.get(load_band(deciding), 0) + 1 >= self.PROBE_EVERY
 
     def summary(self, deciding: int) -> str:
-        parts = []
+        band, parts = load_band(deciding), []
         for proposed, name in ((True, "proposing"), (False, "plain")):
-            mean = self.seconds_per_token.get((deciding, proposed))
-            parts.append(f"{name} {mean.value * 1e3:.2f} ms/token over {self.steps[deciding, proposed]} steps"
+            mean = self.seconds_per_token.get((band, proposed))
+            parts.append(f"{name} {mean.value * 1e3:.2f} ms/token over {self.steps[band, proposed]} steps"
                          if mean is not None else f"{name} unmeasured")
-        return ", ".join(parts)
+        return f"{band // 2 + 1}-{band} deciding: " + ", ".join(parts) if band > 2 else ", ".join(parts)
 
 
 def drafts_can_pay(estimate, max_rows: int) -> bool:

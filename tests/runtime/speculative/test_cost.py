@@ -212,9 +212,10 @@ def test_a_step_where_no_draft_can_pay_skips_proposing():
 
 
 def test_proposing_that_served_slower_stops_but_for_probes():
-    """engine.speculation.ProposingOutcome: per count of deciding sequences, steps whose rounds
-    proposed are compared with steps whose rounds did not, by seconds per emitted token; where the
-    proposing ones were slower, proposing stops there, one step in PROBE_EVERY excepted."""
+    """engine.speculation.ProposingOutcome: per band of deciding sequences (1, 2, 3-4, 5-8, 9-16),
+    steps whose rounds proposed are compared with steps whose rounds did not, by seconds per
+    emitted token; where the proposing ones were slower, proposing stops there, one step in
+    PROBE_EVERY excepted."""
     from hetero_run.runtime.engine.speculation import ProposingOutcome
 
     outcome = ProposingOutcome()
@@ -235,6 +236,8 @@ def test_proposing_that_served_slower_stops_but_for_probes():
     gaps = [b - a for a, b in zip(probes[:-1], probes[1:], strict=True)]
     assert gaps == [ProposingOutcome.PROBE_EVERY] * (len(probes) - 1), allowed
     assert outcome.allows(1) and outcome.pays(1) is None, "another count of sequences has its own figures"
+    # 9-16 deciding sequences are one band (at 16 clients a step decides for 12-16 of them); 5-8 another
+    assert outcome.pays(12) is False and outcome.pays(9) is False and outcome.pays(8) is None
 
     faster = ProposingOutcome()  # alone, drafts pay: proposing stays on
     for _ in range(2 * ProposingOutcome.MIN_STEPS):
