@@ -12,15 +12,15 @@ and the cost it is told comes from the step it joins. Steps of decode and verify
 prompt chunk: a prompt row skips the lm_head and the verifier and would read as a cheap verify
 row) are timed by their rows: t(R), per row count R, from the planning of the step's rounds to
 the last commit, estimated rising and convex from the measured means (`VerifyCost`). In a step
-whose rows without drafts are B, where the D - 1 other deciding sequences draft d rows and keep
-e tokens a round as they have lately (exponentially weighted means over the steps), the step
-without this sequence's drafts has B' = B + (D - 1) d rows and yields 1 + (D - 1) e tokens, and
-r verify rows cost this sequence
+whose decode rows without drafts are B, beside P rows of prompt chunks, where the D - 1 other
+deciding sequences draft d rows and keep e tokens a round as they have lately (exponentially
+weighted means over the steps), the step's decoding without this sequence's drafts has
+B' = B + (D - 1) d rows and yields 1 + (D - 1) e tokens, and r verify rows cost this sequence
 
-    t(B') / (1 + (D - 1) e) + m (t(B' + r - 1) - t(B'))
+    t(B') / (1 + (D - 1) e) + m (t(B' + P + r - 1) - t(B' + P))
 
-the step's seconds per token as it stands plus what its extra rows add (m = 1 alone, 1 +
-BATCH_MARGIN among others, for what the step's time does not show). The cost model's choice
+the seconds per token of the step's decoding plus what its extra rows add to the whole step
+(m = 1 alone, 1 + BATCH_MARGIN among others, for what the step's time does not show). The cost model's choice
 (the most expected tokens per second) then drafts exactly when the tokens its rows add per second
 they add beat the step's own rate, the rule that maximises the step's output. Alone (D = 1,
 B = 1) that is t(r), the step of r rows: the first row pays for reading every weight and a few
@@ -218,17 +218,26 @@ class Speculation:
             self.drafts_per_round.add(sum(draft_rows) / len(draft_rows))
             self.tokens_per_round.add(sum(kept) / len(kept))
 
-    def verify_estimate(self, base_rows: int, deciding: int):
-        """Seconds that r verify rows cost one of `deciding` sequences in a step whose rows
-        without drafts are `base_rows`, the others drafting as they have lately: the step's
-        seconds per token without this sequence's drafts, plus what its extra rows add."""
+    def verify_estimate(self, base_rows: int, deciding: int, prompt_rows: int = 0):
+        """Seconds that r verify rows cost one of `deciding` sequences in a step whose decode rows
+        without drafts are `base_rows`, beside `prompt_rows` rows of prompt chunks, the others
+        drafting as they have lately: the seconds per token of the step's decoding without this
+        sequence's drafts, plus what its extra rows add to the whole step.
+
+        Prompt rows make the step longer but bring no token now (their worth is the tokens
+        their sequences will decode): counted in the rate a draft must beat, they priced it as
+        if the step served a token every few hundred ms, and at 16 clients a new request's first
+        round then chose the drafter with its whole prompt to catch up (350-470 ms of planning
+        in a step of 16 sequences). They count where they belong: in the step's size, which
+        sets what extra rows add."""
         t = self.step_seconds
         others = deciding - 1
         rows0 = base_rows + round(others * self.drafts_per_round.value)
-        base = t(rows0)
-        per_token = base / (1 + others * self.tokens_per_round.value)
+        per_token = t(rows0) / (1 + others * self.tokens_per_round.value)
+        total = rows0 + prompt_rows
+        base = t(total)
         extra = 1.0 + (BATCH_MARGIN if others else 0.0)
-        return lambda rows: per_token + extra * max(0.0, t(rows0 + rows - 1) - base)
+        return lambda rows: per_token + extra * max(0.0, t(total + rows - 1) - base)
 
     def shares(self, rows: list[int], seconds: float) -> list[float]:
         """The step's seconds split over its sequences: the fixed part evenly, the rest by rows."""
@@ -286,11 +295,12 @@ class Speculation:
         self.proposing = (len(deciding), False)
         if not deciding:
             return {}
-        base_rows = sum(item.rows for item in scheduled)
-        budget = scheduler.max_num_batched_tokens - base_rows
+        step_rows = sum(item.rows for item in scheduled)
+        base_rows = sum(scheduled[i].rows for i in deciding)  # the rest are prompt chunks
+        budget = scheduler.max_num_batched_tokens - step_rows
         # rows each may add past its own blocks: whole free blocks each, within the step's budget
         share = min(budget // len(deciding), blocks.num_free // len(deciding) * blocks.block_size)
-        estimate = self.verify_estimate(base_rows, len(deciding))
+        estimate = self.verify_estimate(base_rows, len(deciding), step_rows - base_rows)
         can_pay = drafts_can_pay(estimate, self.shared.config.max_verify_rows)
         if can_pay and not self.outcome.allows(len(deciding)):
             can_pay = False

@@ -249,3 +249,25 @@ def test_proposing_that_served_slower_stops_but_for_probes():
     assert faster.pays(1) is False and not faster.allows(1)
     faster.record(1, False, 0.025, 1)
     assert not faster.allows(1)
+
+
+def test_prompt_rows_lengthen_the_step_but_do_not_lower_the_rate_a_draft_must_beat():
+    """engine.speculation.verify_estimate: beside P rows of prompt chunks, the seconds per token a
+    draft must beat are the step's decoding's, t(B') / (1 + (D - 1) e); what r rows add is read
+    at the whole step's size, t(B' + P + r - 1) - t(B' + P)."""
+    from hetero_run.runtime.engine.speculation import BATCH_MARGIN
+
+    planner = _step_planner()
+    for _ in range(3):
+        for rows in range(1, 200):
+            planner.measured_step(rows, _step_seconds(rows), rows)
+    plain, mixed = planner.verify_estimate(4, 4), planner.verify_estimate(4, 4, prompt_rows=80)
+    assert mixed(1) == pytest.approx(plain(1)) == pytest.approx(_step_seconds(4) / 4)
+    assert mixed(6) == pytest.approx(_step_seconds(4) / 4 + (1 + BATCH_MARGIN) * (_step_seconds(89)
+                                     - _step_seconds(84)))
+    # a convex step (rows cost more as the step grows): the same draft costs more beside the prompt
+    convex = _step_planner()
+    for _ in range(3):
+        for rows in range(1, 200):
+            convex.measured_step(rows, 0.04 + 0.002 * rows + 1e-5 * rows * rows, rows)
+    assert convex.verify_estimate(4, 4, prompt_rows=80)(6) > convex.verify_estimate(4, 4)(6)
