@@ -77,15 +77,17 @@ def load_band(deciding: int) -> int:
 
 
 class ProposingOutcome:
-    """Seconds per emitted token of decode-and-verify steps, by the band of how many sequences
-    decided in the step (`load_band`) and whether their rounds proposed: proposing stays on in a
-    band unless both are measured (`MIN_STEPS` each) and the proposing steps were the slower."""
+    """Seconds per emitted token of decode-and-verify steps (their seconds over their tokens), by
+    the band of how many sequences decided in the step (`load_band`) and whether their rounds
+    proposed: proposing stays on in a band unless both are measured (`MIN_STEPS` each) and the
+    proposing steps were the slower."""
 
     MIN_STEPS = 4
     PROBE_EVERY = 16  # while proposing is off in a band, every this many of its steps propose anyway
 
     def __init__(self):
-        self.seconds_per_token: dict[tuple[int, bool], _Mean] = {}
+        self.seconds: dict[tuple[int, bool], _Mean] = {}
+        self.tokens: dict[tuple[int, bool], _Mean] = {}
         self.steps: dict[tuple[int, bool], int] = {}
         self.since_proposing: dict[int, int] = {}
 
@@ -94,16 +96,22 @@ class ProposingOutcome:
             return
         band = load_band(deciding)
         key = (band, proposed)
-        self.seconds_per_token.setdefault(key, _Mean()).add(seconds / tokens)
+        self.seconds.setdefault(key, _Mean()).add(seconds)
+        self.tokens.setdefault(key, _Mean()).add(tokens)
         self.steps[key] = self.steps.get(key, 0) + 1
         self.since_proposing[band] = 0 if proposed else self.since_proposing.get(band, 0) + 1
+
+    def seconds_per_token(self, band: int, proposed: bool) -> float:
+        """The steps' seconds over their tokens (weighted means of each): a step counts by its
+        length, so one 900 ms step that served 95 tok/s outweighs several short ones."""
+        return self.seconds[band, proposed].value / self.tokens[band, proposed].value
 
     def pays(self, deciding: int) -> bool | None:
         """Whether proposing served tokens faster in this count's band; None until both are measured."""
         band = load_band(deciding)
         if min(self.steps.get((band, p), 0) for p in (True, False)) < self.MIN_STEPS:
             return None
-        return self.seconds_per_token[band, True].value < self.seconds_per_token[band, False].value
+        return self.seconds_per_token(band, True) < self.seconds_per_token(band, False)
 
     def allows(self, deciding: int) -> bool:
         """Whether this step's rounds may propose (the cost model still decides what)."""
@@ -114,9 +122,9 @@ class ProposingOutcome:
     def summary(self, deciding: int) -> str:
         band, parts = load_band(deciding), []
         for proposed, name in ((True, "proposing"), (False, "plain")):
-            mean = self.seconds_per_token.get((band, proposed))
-            parts.append(f"{name} {mean.value * 1e3:.2f} ms/token over {self.steps[band, proposed]} steps"
-                         if mean is not None else f"{name} unmeasured")
+            measured = (band, proposed) in self.steps
+            parts.append(f"{name} {self.seconds_per_token(band, proposed) * 1e3:.2f} ms/token over "
+                         f"{self.steps[band, proposed]} steps" if measured else f"{name} unmeasured")
         return f"{band // 2 + 1}-{band} deciding: " + ", ".join(parts) if band > 2 else ", ".join(parts)
 
 

@@ -271,3 +271,20 @@ def test_prompt_rows_lengthen_the_step_but_do_not_lower_the_rate_a_draft_must_be
         for rows in range(1, 200):
             convex.measured_step(rows, 0.04 + 0.002 * rows + 1e-5 * rows * rows, rows)
     assert convex.verify_estimate(4, 4, prompt_rows=80)(6) > convex.verify_estimate(4, 4)(6)
+
+
+def test_a_long_slow_proposing_step_counts_by_its_length():
+    """ProposingOutcome compares seconds over tokens: three short proposing steps at 5.5 ms a token
+    and one of 900 ms serving 88 tokens (10.2 ms a token) serve slower together than plain steps at
+    7 ms a token, although the mean of the four steps' own figures (6.7 ms) is below 7."""
+    from hetero_run.runtime.engine.speculation import ProposingOutcome
+
+    outcome = ProposingOutcome()
+    for _ in range(ProposingOutcome.MIN_STEPS):
+        outcome.record(16, False, 0.112, 16)
+    steps = [(0.088, 16)] * 3 + [(0.900, 88)]
+    for seconds, tokens in steps:
+        outcome.record(16, True, seconds, tokens)
+    assert sum(s / t for s, t in steps) / len(steps) < 0.007
+    assert outcome.seconds_per_token(16, True) > outcome.seconds_per_token(16, False) == pytest.approx(0.007)
+    assert outcome.pays(16) is False
