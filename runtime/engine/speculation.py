@@ -47,6 +47,14 @@ sequences (in bands: 1, 2, 3-4, 5-8, 9-16, ...), the seconds per emitted token o
 rounds proposed against those of steps whose rounds did not; where proposing has served slower,
 its steps stop proposing (prompt chunks or not), one step in `PROBE_EVERY` excepted, which keeps
 the figure current as the load changes.
+
+The step table is re-measured only where steps run: alone, once it prices extra rows too high
+(one 3-row step of a server's warm-up measured at 99 ms against 35 for one row, and the line
+through them priced 8 rows at 260 ms), no round drafts, no step of several rows runs again, and
+the figure never heals (a server served 1.3x the target alone at one client instead of 2.4-3.2x).
+So with at most two deciding sequences (`EXPLORE_BANDS`), after `PROBE_EVERY` steps without a
+draft row, one step prices extra rows at the prior's share of a row (`PRIOR_ROW_SHARE` of the
+one-row step each), which lets a round draft and the table measure several rows again.
 """
 
 from __future__ import annotations
@@ -58,7 +66,7 @@ from hetero_run.runtime.driver import SpeculativeEngine
 from hetero_run.runtime.engine.lockstep import Lockstep
 from hetero_run.runtime.speculative.adaptive import _Line, _Mean
 from hetero_run.runtime.speculative.config import MODEL_FREE, SpeculationConfig
-from hetero_run.runtime.speculative.cost import VerifyCost
+from hetero_run.runtime.speculative.cost import PRIOR_ROW_SHARE, VerifyCost
 from hetero_run.runtime.speculative.round import RoundPlan, Verdict
 
 log = logging.getLogger("hetero_run.runtime.engine.speculation")
@@ -67,6 +75,7 @@ log = logging.getLogger("hetero_run.runtime.engine.speculation")
 # add: longer steps also delay what the step's accounting does not see (the next requests'
 # prefill, the turnover of finishing ones); at 16 clients a tie by that accounting served less.
 BATCH_MARGIN = 0.25
+EXPLORE_BANDS = (1, 2)  # load bands (`load_band`) in which a step without drafts for long re-prices rows
 
 
 def load_band(deciding: int) -> int:
@@ -192,6 +201,7 @@ class Speculation:
         self.drafts_per_round = _Mean(0.0, 1e-9)  # draft rows a deciding sequence verified lately
         self.tokens_per_round = _Mean(1.0, 1e-9)  # and the tokens it kept
         self.outcome = ProposingOutcome()
+        self.without_drafts: dict[int, int] = {}  # load band -> its decode steps since one verified draft rows
         self.proposing = (0, False)  # the step being run: its deciding sequences, whether they proposed
 
     @property
@@ -225,6 +235,8 @@ class Speculation:
         if draft_rows:
             self.drafts_per_round.add(sum(draft_rows) / len(draft_rows))
             self.tokens_per_round.add(sum(kept) / len(kept))
+            band = load_band(len(draft_rows))
+            self.without_drafts[band] = 0 if any(draft_rows) else self.without_drafts.get(band, 0) + 1
 
     def verify_estimate(self, base_rows: int, deciding: int, prompt_rows: int = 0):
         """Seconds that r verify rows cost one of `deciding` sequences in a step whose decode rows
@@ -309,8 +321,16 @@ class Speculation:
         # rows each may add past its own blocks: whole free blocks each, within the step's budget
         share = min(budget // len(deciding), blocks.num_free // len(deciding) * blocks.block_size)
         estimate = self.verify_estimate(base_rows, len(deciding), step_rows - base_rows)
+        band = load_band(len(deciding))
+        explore = band in EXPLORE_BANDS and self.without_drafts.get(band, 0) >= ProposingOutcome.PROBE_EVERY
+        if explore:
+            one = estimate(1)
+            estimate = lambda rows: one * (1 + PRIOR_ROW_SHARE * (rows - 1))  # noqa: E731
+            self.without_drafts[band] = 0
+            log.debug("%d deciding sequences: %d steps without a draft row; this one prices rows at the prior's "
+                      "share", len(deciding), ProposingOutcome.PROBE_EVERY)
         can_pay = drafts_can_pay(estimate, self.shared.config.max_verify_rows)
-        if can_pay and not self.outcome.allows(len(deciding)):
+        if can_pay and not explore and not self.outcome.allows(len(deciding)):
             can_pay = False
             if log.isEnabledFor(logging.DEBUG):
                 log.debug("%d deciding sequences: not proposing, it served slower (%s)", len(deciding),

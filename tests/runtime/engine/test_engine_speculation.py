@@ -172,3 +172,38 @@ def test_where_proposing_served_slower_the_steps_do_not_propose():
         bands.setdefault(load_band(deciding), []).extend(proposed)
     for band, proposed in bands.items():
         assert sum(proposed) <= len(proposed) // ProposingOutcome.PROBE_EVERY, (band, proposed)
+
+
+@pytest.mark.parametrize("explore", [True, False])
+def test_a_step_table_that_prices_rows_too_high_is_measured_again(explore, monkeypatch):
+    """engine.speculation: alone, a step table whose multi-row figures are far too high (one slow
+    step) keeps every round from drafting, so those figures are never measured again; after
+    PROBE_EVERY steps without a draft row one step prices rows at the prior's share, a round
+    drafts, and the table holds a real figure. Without that (explore=False) nothing drafts."""
+    from hetero_run.runtime.engine import speculation
+
+    if not explore:
+        monkeypatch.setattr(speculation, "EXPLORE_BANDS", ())
+    engine = _engine("auto", "sentencepiece")
+    spec = engine.speculation
+    for _ in range(3):  # as if one warm-up step of 3 rows had taken a second
+        spec.step_seconds.record(1, 0.002)
+        spec.step_seconds.record(3, 1.0)
+    finals = {}
+    tokens = []
+
+    def sink(event):
+        tokens.extend(event.token_ids)
+        if event.final:
+            finals["r0"] = event
+
+    engine.add(_request(0, PROMPTS[0]), sink)
+    while engine.has_work():
+        engine.step()
+    assert tuple(tokens) == reference(PROMPTS[0])
+    drafted = finals["r0"].speculation.draft_tokens
+    if explore:
+        assert drafted > 0
+        assert any(rows > 1 and rows != 3 for rows in spec.step_seconds.by_rows), sorted(spec.step_seconds.by_rows)
+    else:
+        assert drafted == 0
