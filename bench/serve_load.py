@@ -274,12 +274,7 @@ def _with_servers(args, names: list[str], prompts: list[str]) -> dict:
             out[name]["levels"] = []
         for i, level in enumerate(args.levels):
             for name in (ready if i % 2 == 0 else ready[::-1]):
-                report = measure_level(args, servers[name].url, level, prompts)
-                out[name]["levels"].append(report)
-                if not args.json:
-                    print(f"  {name}: " + level_line(report), flush=True)
-                    for error in report["errors"]:
-                        print(f"      {error}", flush=True)
+                out[name]["levels"].append(measure_level(args, servers[name].url, level, prompts, name))
         for name in ready:
             out[name]["second_turn"] = measure_turns(args, servers[name].url, name)
             peak, plan = servers[name].peak_memory(), plans[name]
@@ -318,12 +313,17 @@ def prepare(args, url: str, prompts: list[str]) -> None:
         asyncio.run(_warm(args, url, prompts[i % len(prompts)]))
 
 
-def measure_level(args, url: str, level: int, prompts: list[str]) -> dict:
+def measure_level(args, url: str, level: int, prompts: list[str], name: str = "") -> dict:
+    """One level on one server, printed as it ends (JSON with --json)."""
     before = scrape(url)
     report = asyncio.run(run_level(args, url, level, prompts))
     report["speculation"] = speculation(before, scrape(url))
     if args.json:
         print(json.dumps(report), flush=True)
+        return report
+    print(f"  {name + ': ' if name else ''}{level_line(report)}", flush=True)
+    for error in report["errors"]:
+        print(f"      {error}", flush=True)
     return report
 
 
@@ -341,13 +341,7 @@ def measure_turns(args, url: str, name: str = "") -> dict | None:
 def measure(args, url: str, prompts: list[str]) -> dict:
     """Every level, then the second turns, on one running server."""
     prepare(args, url, prompts)
-    levels = []
-    for level in args.levels:
-        levels.append(measure_level(args, url, level, prompts))
-        if not args.json:
-            print("  " + level_line(levels[-1]), flush=True)
-            for error in levels[-1]["errors"]:
-                print(f"      {error}", flush=True)
+    levels = [measure_level(args, url, level, prompts) for level in args.levels]
     return {"levels": levels, "second_turn": measure_turns(args, url)}
 
 

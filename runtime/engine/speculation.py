@@ -99,6 +99,7 @@ class ProposingOutcome:
         self.tokens: dict[tuple[int, bool], _Mean] = {}
         self.steps: dict[tuple[int, bool], int] = {}
         self.since_proposing: dict[int, int] = {}
+        self.without_drafts: dict[int, int] = {}  # band -> its steps since one verified draft rows
 
     def record(self, deciding: int, proposed: bool, seconds: float, tokens: int) -> None:
         if deciding < 1 or tokens < 1:
@@ -110,17 +111,32 @@ class ProposingOutcome:
         self.steps[key] = self.steps.get(key, 0) + 1
         self.since_proposing[band] = 0 if proposed else self.since_proposing.get(band, 0) + 1
 
-    def seconds_per_token(self, band: int, proposed: bool) -> float:
-        """The steps' seconds over their tokens (weighted means of each): a step counts by its
-        length, so one 900 ms step that served 95 tok/s outweighs several short ones."""
-        return self.seconds[band, proposed].value / self.tokens[band, proposed].value
+    def drafted(self, deciding: int, any_rows: bool) -> None:
+        """A step's rounds (prompt chunks or not) verified draft rows, or none."""
+        band = load_band(deciding)
+        self.without_drafts[band] = 0 if any_rows else self.without_drafts.get(band, 0) + 1
+
+    def explores(self, deciding: int) -> bool:
+        """Alone or with one other (`EXPLORE_BANDS`), after PROBE_EVERY steps without a draft row:
+        this step re-prices rows (see the module's docstring). Starts the count again."""
+        band = load_band(deciding)
+        if band not in EXPLORE_BANDS or self.without_drafts.get(band, 0) < self.PROBE_EVERY:
+            return False
+        self.without_drafts[band] = 0
+        return True
+
+    def seconds_per_token(self, deciding: int, proposed: bool) -> float:
+        """The steps' seconds over their tokens (weighted means of each) in this count's band: a
+        step counts by its length, so one 900 ms step that served 95 tok/s outweighs several short ones."""
+        key = (load_band(deciding), proposed)
+        return self.seconds[key].value / self.tokens[key].value
 
     def pays(self, deciding: int) -> bool | None:
         """Whether proposing served tokens faster in this count's band; None until both are measured."""
         band = load_band(deciding)
         if min(self.steps.get((band, p), 0) for p in (True, False)) < self.MIN_STEPS:
             return None
-        return self.seconds_per_token(band, True) < self.seconds_per_token(band, False)
+        return self.seconds_per_token(deciding, True) < self.seconds_per_token(deciding, False)
 
     def allows(self, deciding: int) -> bool:
         """Whether this step's rounds may propose (the cost model still decides what)."""
@@ -132,7 +148,7 @@ class ProposingOutcome:
         band, parts = load_band(deciding), []
         for proposed, name in ((True, "proposing"), (False, "plain")):
             measured = (band, proposed) in self.steps
-            parts.append(f"{name} {self.seconds_per_token(band, proposed) * 1e3:.2f} ms/token over "
+            parts.append(f"{name} {self.seconds_per_token(deciding, proposed) * 1e3:.2f} ms/token over "
                          f"{self.steps[band, proposed]} steps" if measured else f"{name} unmeasured")
         return f"{band // 2 + 1}-{band} deciding: " + ", ".join(parts) if band > 2 else ", ".join(parts)
 
@@ -201,7 +217,6 @@ class Speculation:
         self.drafts_per_round = _Mean(0.0, 1e-9)  # draft rows a deciding sequence verified lately
         self.tokens_per_round = _Mean(1.0, 1e-9)  # and the tokens it kept
         self.outcome = ProposingOutcome()
-        self.without_drafts: dict[int, int] = {}  # load band -> its decode steps since one verified draft rows
         self.proposing = (0, False)  # the step being run: its deciding sequences, whether they proposed
 
     @property
@@ -235,8 +250,7 @@ class Speculation:
         if draft_rows:
             self.drafts_per_round.add(sum(draft_rows) / len(draft_rows))
             self.tokens_per_round.add(sum(kept) / len(kept))
-            band = load_band(len(draft_rows))
-            self.without_drafts[band] = 0 if any(draft_rows) else self.without_drafts.get(band, 0) + 1
+            self.outcome.drafted(len(draft_rows), any(draft_rows))
 
     def verify_estimate(self, base_rows: int, deciding: int, prompt_rows: int = 0):
         """Seconds that r verify rows cost one of `deciding` sequences in a step whose decode rows
@@ -321,12 +335,10 @@ class Speculation:
         # rows each may add past its own blocks: whole free blocks each, within the step's budget
         share = min(budget // len(deciding), blocks.num_free // len(deciding) * blocks.block_size)
         estimate = self.verify_estimate(base_rows, len(deciding), step_rows - base_rows)
-        band = load_band(len(deciding))
-        explore = band in EXPLORE_BANDS and self.without_drafts.get(band, 0) >= ProposingOutcome.PROBE_EVERY
+        explore = self.outcome.explores(len(deciding))
         if explore:
             one = estimate(1)
             estimate = lambda rows: one * (1 + PRIOR_ROW_SHARE * (rows - 1))  # noqa: E731
-            self.without_drafts[band] = 0
             log.debug("%d deciding sequences: %d steps without a draft row; this one prices rows at the prior's "
                       "share", len(deciding), ProposingOutcome.PROBE_EVERY)
         can_pay = drafts_can_pay(estimate, self.shared.config.max_verify_rows)
