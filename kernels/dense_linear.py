@@ -17,17 +17,26 @@ from hetero_run.kernels import cpu_ext
 from hetero_run.kernels.batch_invariance import invariant, per_row
 
 
-def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [n, in] @ w[out, in].T -> [n, out] in x's dtype."""
+def dense_linear(x: torch.Tensor, w: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+    """x [n, in] @ w[out, in].T -> [n, out] in x's dtype; with `float_out`, the same values held
+    in float32 (a model's logits: the compiled kernel rounds its float32 sums to bf16 in place,
+    without a bf16 copy and a float32 copy of it)."""
     if _use_kernel(x, w):
+        lib = cpu_ext.ops()
         xk = x.contiguous()
         if xk.dtype == torch.bfloat16 and w.dtype == torch.float32:
             xk = xk.float()  # widening is exact
-        y = cpu_ext.ops().dense_linear(xk, w, 0, x.dtype == torch.bfloat16)  # bf16: rounded by the kernel
+        bf16 = x.dtype == torch.bfloat16
+        if float_out:
+            y = lib.dense_linear(xk, w, 0, False)
+            return lib.round_bf16_(y) if bf16 else y
+        y = lib.dense_linear(xk, w, 0, bf16)  # bf16: rounded by the kernel
         return y if y.dtype == x.dtype else y.to(x.dtype)
     if not invariant(x.shape[0]) or x.device.type != "cpu":  # prefill without the library, or a GPU
-        return F.linear(x.to(w.dtype), w).to(x.dtype)
-    return per_row(lambda row: F.linear(row.to(w.dtype), w), x).to(x.dtype)
+        y = F.linear(x.to(w.dtype), w).to(x.dtype)
+    else:
+        y = per_row(lambda row: F.linear(row.to(w.dtype), w), x).to(x.dtype)
+    return y.float() if float_out else y
 
 
 def dense_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

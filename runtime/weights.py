@@ -48,6 +48,10 @@ class LinearWeight(ABC):
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> x @ W.T [..., out] in x's dtype."""
 
+    def matmul_float(self, x: torch.Tensor) -> torch.Tensor:
+        """matmul(x).float(): x's dtype's values, held in float32 (a model's logits)."""
+        return self.matmul(x).float()
+
     @abstractmethod
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [out, in] in `dtype`; for references and tests, never on the hot path."""
@@ -83,6 +87,9 @@ class DenseWeight(LinearWeight):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return dense_linear(_flat(x), self.weight).reshape(*x.shape[:-1], self.out_features)
+
+    def matmul_float(self, x: torch.Tensor) -> torch.Tensor:
+        return dense_linear(_flat(x), self.weight, float_out=True).reshape(*x.shape[:-1], self.out_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.weight.to(dtype)

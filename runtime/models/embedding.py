@@ -55,6 +55,8 @@ class ParallelLMHead:
     def nbytes(self) -> int:
         return self.weight.nbytes
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor | None:  # [n, hidden] -> [n, vocab] on rank 0
-        logits = self.ctx.gather_first(self.weight.matmul(h))
+    def __call__(self, h: torch.Tensor) -> torch.Tensor | None:  # [n, hidden] -> [n, vocab] float32 on rank 0
+        if self.ctx.size == 1:  # straight into float32 (many rows' logits are tens of MB)
+            return self.weight.matmul_float(h)
+        logits = self.ctx.gather_first(self.weight.matmul(h))  # the model's dtype over the link
         return logits.float() if logits is not None else None

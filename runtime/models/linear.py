@@ -23,6 +23,8 @@ class Weight(Protocol):
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor: ...  # [n, in] -> [n, out]
 
+    def matmul_float(self, x: torch.Tensor) -> torch.Tensor: ...  # matmul(x).float()
+
 
 class ColumnParallelLinear:
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None):

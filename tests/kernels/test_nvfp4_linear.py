@@ -88,6 +88,38 @@ def test_bf16_out_is_torch_rounding_of_the_float32_result(isa):
         assert got[0, 4].item() == float("inf") and got[0, 1].item() == 1.0 and got[0, 2].item() == 1 + 2 ** -6
 
 
+def test_round_bf16_in_place_is_torch_rounding_held_in_float32():
+    """round_bf16_ leaves in a float32 tensor what .to(bfloat16).float() gives (ties, the next
+    binade, infinity, subnormals, NaN), over lengths with and without a remainder of 16 and
+    across the threads' chunks."""
+    lib = cpu_ext.ops()
+    if lib is None:
+        pytest.skip("the compiled kernels do not build here")
+    special = torch.tensor([1.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 1.99999, 3.3999e38, -2.5e-40, 0.0, -0.0, 7e-45,
+                            -3.0, float("inf"), -float("inf")])
+    for numel in (1, 12, 17, 1000, 3 * 65536 + 5):
+        y = torch.randn(numel) * 10.0 ** torch.randint(-30, 30, (numel,)).float()
+        y[:min(numel, special.numel())] = special[:numel]
+        want = y.to(torch.bfloat16).float()
+        got = lib.round_bf16_(y)
+        assert got.data_ptr() == y.data_ptr() and torch.equal(got.view(torch.int32), want.view(torch.int32)), numel
+    nan = torch.tensor([float("nan")])
+    assert lib.round_bf16_(nan).isnan().all()
+
+
+def test_float_out_holds_the_bf16_result_in_float32(library):
+    """dense_linear(..., float_out=True) is dense_linear(...).float() bit for bit (what the LM
+    head returns), with the compiled kernels and without, for bf16 and float32 activations."""
+    g = torch.Generator().manual_seed(11)
+    for x_dtype, w_dtype in ((torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                             (torch.float32, torch.bfloat16)):
+        w = torch.randn(300, 896, generator=g).to(w_dtype)
+        for n in (1, 5, 40):
+            x = torch.randn(n, 896, generator=g).to(x_dtype)
+            got = dense_linear(x, w, float_out=True)
+            assert got.dtype == torch.float32 and torch.equal(got, dense_linear(x, w).float()), (x_dtype, n)
+
+
 def test_block_scales_of_every_kind_decode_exactly(isa):
     """Negative, subnormal and zero fp8 block scales (which the fast scale conversion leaves to
     the exact one) next to ordinary ones."""

@@ -26,11 +26,12 @@ def test_multi_token_forward_equals_one_token_forwards(arch, quant, dtype):
     assert mismatches(model, seed=len(arch)) == []
 
 
-def _batch_dependent_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def _batch_dependent_linear(x: torch.Tensor, w: torch.Tensor, float_out: bool = False) -> torch.Tensor:
     """x @ w.T summed in as many pieces of the input dimension as x has rows: a product whose
     summation order follows the batch size, as a shape-tuned GEMM's may."""
     pieces = torch.tensor_split(torch.arange(x.shape[1]), min(x.shape[0], x.shape[1]))
-    return sum(x[:, p] @ w[:, p].to(x.dtype).T for p in pieces)  # each piece rounded to x's dtype
+    y = sum(x[:, p] @ w[:, p].to(x.dtype).T for p in pieces)  # each piece rounded to x's dtype
+    return y.float() if float_out else y
 
 
 def test_the_check_sees_a_batch_dependent_model(monkeypatch):
