@@ -24,7 +24,6 @@
 // builds and runs (portable loops) on any CPU. Files: this one (the ops and the choice of
 // kernel), nvfp4_avx512.cpp, dense_avx512.cpp (+ rows_avx512.h), avx2.cpp, amx.cpp, portable.cpp.
 
-#include <algorithm>
 #include <cstring>
 
 #include <ATen/core/Tensor.h>
@@ -134,6 +133,20 @@ HR_AVX512 void round_bf16_avx512(const float* y, int64_t count, uint16_t* out) {
     _mm256_mask_storeu_epi16(out + e, m, round_bf16x16(_mm512_maskz_loadu_ps(m, y + e)));
   }
 }
+
+// The same rounding, each value written back widened to float32 (its low 16 bits zero).
+HR_AVX512 inline __m512 widen_bf16x16(__m256i h) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+HR_AVX512 void round_bf16_in_place_avx512(float* y, int64_t count) {
+  int64_t e = 0;
+  for (; e + 16 <= count; e += 16) _mm512_storeu_ps(y + e, widen_bf16x16(round_bf16x16(_mm512_loadu_ps(y + e))));
+  if (e < count) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (count - e)) - 1);
+    _mm512_mask_storeu_ps(y + e, m, widen_bf16x16(round_bf16x16(_mm512_maskz_loadu_ps(m, y + e))));
+  }
+}
 #endif
 
 // y float32 -> a new bf16 tensor of the same shape (round_bf16's bits, element by element).
@@ -163,22 +176,12 @@ at::Tensor& round_bf16_(at::Tensor& y) {
   const bool vec = has_avx512();
 #endif
   at::parallel_for(0, y.numel(), 1 << 16, [&](int64_t e0, int64_t e1) {
-    constexpr int64_t kChunk = 1024;
-    uint16_t bits[kChunk];
-    for (int64_t c = e0; c < e1; c += kChunk) {
-      const int64_t len = std::min(kChunk, e1 - c);
 #if HR_X86
-      if (vec) {
-        round_bf16_avx512(yd + c, len, bits);
-      } else
+    if (vec) return round_bf16_in_place_avx512(yd + e0, e1 - e0);
 #endif
-      {
-        for (int64_t e = 0; e < len; ++e) bits[e] = round_bf16(yd[c + e]);
-      }
-      for (int64_t e = 0; e < len; ++e) {
-        const uint32_t wide = static_cast<uint32_t>(bits[e]) << 16;
-        std::memcpy(yd + c + e, &wide, sizeof(wide));
-      }
+    for (int64_t e = e0; e < e1; ++e) {
+      const uint32_t wide = static_cast<uint32_t>(round_bf16(yd[e])) << 16;
+      std::memcpy(yd + e, &wide, sizeof(wide));
     }
   });
   return y;
