@@ -189,6 +189,11 @@ def test_a_step_table_that_prices_rows_too_high_is_measured_again(explore, monke
     for _ in range(3):  # as if one warm-up step of 3 rows had taken a second
         spec.step_seconds.record(1, 0.002)
         spec.step_seconds.record(3, 1.0)
+    # and the drafter measured cheap on earlier requests: the exploring step's round has a
+    # candidate whatever the text offers the model-free proposers
+    cost, _ = spec.shared.measurements(True)
+    for _ in range(200):
+        cost.record_draft(1, 1e-5, 10, 1e-6, 1)
     finals = {}
     tokens = []
 
