@@ -89,6 +89,11 @@ HR_AVX512 inline __m256i round_bf16x16(__m512 v) {
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(top, _mm512_set1_epi32(0x40)));
   return _mm512_cvtepi32_epi16(r);
 }
+
+// v rounded to bf16 and widened back to float32 (its low 16 bits zero).
+HR_AVX512 inline __m512 through_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(v)), 16));
+}
 #endif
 
 // Rows per task so that each task streams at least ~64 KiB of weights (thread wake-up costs

@@ -135,16 +135,12 @@ HR_AVX512 void round_bf16_avx512(const float* y, int64_t count, uint16_t* out) {
 }
 
 // The same rounding, each value written back widened to float32 (its low 16 bits zero).
-HR_AVX512 inline __m512 widen_bf16x16(__m256i h) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 HR_AVX512 void round_bf16_in_place_avx512(float* y, int64_t count) {
   int64_t e = 0;
-  for (; e + 16 <= count; e += 16) _mm512_storeu_ps(y + e, widen_bf16x16(round_bf16x16(_mm512_loadu_ps(y + e))));
+  for (; e + 16 <= count; e += 16) _mm512_storeu_ps(y + e, through_bf16(_mm512_loadu_ps(y + e)));
   if (e < count) {
     const __mmask16 m = static_cast<__mmask16>((1u << (count - e)) - 1);
-    _mm512_mask_storeu_ps(y + e, m, widen_bf16x16(round_bf16x16(_mm512_maskz_loadu_ps(m, y + e))));
+    _mm512_mask_storeu_ps(y + e, m, through_bf16(_mm512_maskz_loadu_ps(m, y + e)));
   }
 }
 #endif

@@ -429,9 +429,6 @@ void rope_generic(const uint16_t* x, const uint16_t* c, const uint16_t* sn, int6
 HR_AVX512 inline __m512 widen16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
-HR_AVX512 inline __m512 through_bf16(__m512 v) {  // round to bf16 and widen back
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(v)), 16));
-}
 // d / 2 a multiple of 16
 HR_AVX512 void rope_avx512(const uint16_t* x, const uint16_t* c, const uint16_t* sn, int64_t d, uint16_t* out) {
   const int64_t half = d / 2;
