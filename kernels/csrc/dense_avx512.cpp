@@ -1,20 +1,23 @@
 // Dense (bf16 / fp32 weights) x @ W.T with AVX-512: exact widening of bf16 for float32 x,
 // vdpbf16ps for bf16 x.
 //
-// For one x row (a decode step) each thread walks its output rows one weight row at a time, so
-// its weights arrive as one sequential stream: the hardware prefetchers keep such a stream at
-// the memory's bandwidth, while several rows read side by side, 1-2 KiB apart, fall well short
-// of it (about 31 against 22 GB/s on a 2-core Zen 4).
-//
-// A few rows of x (a speculative verify, a batch of decode rows: 2..16 rows that fit in L1 beside
-// two weight rows) are "staged": each pair of weight rows is first copied into an L1 buffer, then
-// meets the rows of x in pieces of at most five (2 x 5 pairs, 20 accumulators: 7 loads per 10
-// dot products). The copy reads the pair as one sequential burst of independent loads, which
-// keeps many misses in flight at once; dot products reading the weights straight from memory
-// leave it nearly idle while they compute (computing and reading did not overlap: 5 rows cost
-// 1.6-2.0x one row on the lm_head that way, staged 1.0-1.1x). With more than one piece the
-// compute per pair outlasts the copy's head start, so each pair also asks for the pair two ahead
-// in L2 (`prefetcht1`; 9 rows: 1.4-1.5x instead of 2.0-2.7x).
+// Up to 16 rows of x that fit in L1 beside two weight rows (a decode step, a speculative verify,
+// a batch of decode rows) are "staged": each pair of weight rows is first copied into an L1
+// buffer, then meets the rows of x in pieces of at most five (2 x 5 pairs, 20 accumulators: 7
+// loads per 10 dot products), while the pair two ahead is asked into L2 (`prefetcht1`). A pair
+// is two adjacent rows, so the weights still arrive as one sequential stream, which the hardware
+// prefetchers keep near the memory's bandwidth (several rows read side by side, 1-2 KiB apart,
+// fall well short of it: about 31 against 22 GB/s on a 2-core Zen 4). The copy reads the pair as
+// one burst of independent loads, and the prefetch keeps the next pairs' misses in flight while
+// this one computes: without it computing and reading do not overlap, and a step costs the
+// sum of the two. Measured on the lm_head ([151936, 896] bf16), median of 7 runs taken in turn:
+// - on a 2-core Zen 4, the copy without the prefetch: 5 rows 1.0-1.1x one row where dot products
+//   reading the weights straight from memory cost 1.6-2.0x;
+// - on a 2-vCPU Intel Xeon (AVX512-BF16, no AMX), where vdpbf16ps takes two cycles, the
+//   prefetch for every pair (it used to be issued only for pairs that take several pieces of x):
+//   2 rows 12.5-13.3 ms against 16.0-17.9, 5 rows 16.7-18.5 against 21.8-23.1; one row staged
+//   12.6-13.4 ms against 15.5-21.7 ms for a plain walk over the rows (9.9-11.1 against 13.2-18.1
+//   ms on 12 MLP gate/up projections [9728, 896] read from memory).
 //
 // With more rows of x, or once they no longer fit in L1 (a long verify, a prefill chunk, wide
 // layers) four weight rows share each load of x (three x rows each load of a weight row), 64
@@ -29,15 +32,15 @@ namespace hetero_run_cpu {
 namespace {
 
 constexpr int64_t kBlockedAbove = 16 << 10;  // bytes of x: half of L1
-// Rows of x one pass of a weight row takes (rows_times_x<T, 1, 4>) when they are not staged;
-// more would read each weight row several times from L1 with few accumulators.
+// Rows of x one pass of a weight row takes (rows_times_x<T, 1, 4>) when they are not staged (x
+// beyond L1); more would read each weight row several times from L1 with few accumulators.
 constexpr int64_t kOnePass = 4;
 
 // Staged rows of x: at most 16, and with the staged pair of weight rows within L1's 32 KiB.
 constexpr int64_t kStagedRows = 16;
 constexpr int64_t kStagedBytes = 32 << 10;
 constexpr int64_t kPiece = 5;       // rows of x per dot_block<T, 2, G> (G <= 5)
-constexpr int64_t kPairsAhead = 2;  // the pair prefetched into L2 when a pair takes several pieces
+constexpr int64_t kPairsAhead = 2;  // the pair prefetched into L2 while a pair computes
 
 // Blocks for many rows of x: 64 weight rows (kept in L2) against chunks of x rows that fit half
 // of L1, four weight rows by four x rows at a time (dot_block_phased).
@@ -50,7 +53,8 @@ void prefetch_rows(const W* rows, int64_t count, int64_t row_bytes) {
 }
 
 // Output rows r0 .. r1 - 1 against n rows of x, two weight rows at a time, each pair copied to
-// an L1 buffer first (see the top of the file); the pieces split n as evenly as possible (9: 5 + 4).
+// an L1 buffer first and the pair kPairsAhead on asked into L2 (see the top of the file); the
+// pieces split n as evenly as possible (9: 5 + 4).
 template <typename T>
 void staged_rows(const typename T::W* w, int64_t in, const typename T::X* x, int64_t n, int64_t r0, int64_t r1,
                  float* y, int64_t out) {
@@ -62,7 +66,7 @@ void staged_rows(const typename T::W* w, int64_t in, const typename T::X* x, int
   int64_t r = r0;
   for (; r + 2 <= r1; r += 2) {
     std::memcpy(buf, w + r * in, pair_bytes);
-    if (pieces > 1 && r + 2 * kPairsAhead + 2 <= r1) {
+    if (r + 2 * kPairsAhead + 2 <= r1) {
       const char* ahead = reinterpret_cast<const char*>(w + (r + 2 * kPairsAhead) * in);
       for (int64_t b = 0; b < pair_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
     }
@@ -91,7 +95,7 @@ void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const type
   const bool blocked = n > kOnePass || (n > 1 && n * x_row > kBlockedAbove);
   const int64_t x_chunk = std::max<int64_t>(4, (512 << 10) / x_row / 4 * 4);
   const int64_t pair_bytes = 2 * in * static_cast<int64_t>(sizeof(typename T::W));
-  const bool staged = n > 1 && n <= kStagedRows && n * x_row + pair_bytes <= kStagedBytes;
+  const bool staged = n >= 1 && n <= kStagedRows && n * x_row + pair_bytes <= kStagedBytes;
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
     if (staged) return staged_rows<T>(w, in, x, n, r0, r1, y, out);
     if (!blocked) {
