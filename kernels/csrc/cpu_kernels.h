@@ -43,6 +43,9 @@ bool has_avx512();
 bool has_avx512_bf16();
 bool has_amx();
 
+// Whether the CPU is AMD's (CPUID's vendor), for tuning that does not change results.
+bool amd_cpu();
+
 // fp8 e4m3 byte -> float, a 256-entry table (NaN encodings are never block scales).
 const float* fp8_table();
 

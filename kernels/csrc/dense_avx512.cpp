@@ -4,20 +4,24 @@
 // Up to 16 rows of x that fit in L1 beside two weight rows (a decode step, a speculative verify,
 // a batch of decode rows) are "staged": each pair of weight rows is first copied into an L1
 // buffer, then meets the rows of x in pieces of at most five (2 x 5 pairs, 20 accumulators: 7
-// loads per 10 dot products), while the pair two ahead is asked into L2 (`prefetcht1`). A pair
-// is two adjacent rows, so the weights still arrive as one sequential stream, which the hardware
-// prefetchers keep near the memory's bandwidth (several rows read side by side, 1-2 KiB apart,
-// fall well short of it: about 31 against 22 GB/s on a 2-core Zen 4). The copy reads the pair as
-// one burst of independent loads, and the prefetch keeps the next pairs' misses in flight while
-// this one computes: without it computing and reading do not overlap, and a step costs the
-// sum of the two. Measured on the lm_head ([151936, 896] bf16), median of 7 runs taken in turn:
-// - on a 2-core Zen 4, the copy without the prefetch: 5 rows 1.0-1.1x one row where dot products
-//   reading the weights straight from memory cost 1.6-2.0x;
-// - on a 2-vCPU Intel Xeon (AVX512-BF16, no AMX), where vdpbf16ps takes two cycles, the
-//   prefetch for every pair (it used to be issued only for pairs that take several pieces of x):
-//   2 rows 12.5-13.3 ms against 16.0-17.9, 5 rows 16.7-18.5 against 21.8-23.1; one row staged
-//   12.6-13.4 ms against 15.5-21.7 ms for a plain walk over the rows (9.9-11.1 against 13.2-18.1
-//   ms on 12 MLP gate/up projections [9728, 896] read from memory).
+// loads per 10 dot products). A pair is two adjacent rows, so the weights still arrive as one
+// sequential stream, which the hardware prefetchers keep near the memory's bandwidth (several
+// rows read side by side, 1-2 KiB apart, fall well short of it: about 31 against 22 GB/s on a
+// 2-core Zen 4). The copy reads the pair as one burst of independent loads, so many misses are in
+// flight at once; dot products reading the weights straight from memory leave it nearly idle
+// while they compute, and a verify costs the memory's time plus the arithmetic's.
+//
+// Whether each pair also asks for the pair two ahead in L2 (`prefetcht1`), and whether one row of
+// x is staged too, depends on the CPU (the sums are the same either way), measured on the lm_head
+// ([151936, 896] bf16):
+// - a 2-core Zen 4: staged without the prefetch, 5 rows cost 1.0-1.1x one row (dot products
+//   reading memory: 1.6-2.0x), with it 1.25x; the prefetch pays only once a pair takes several
+//   pieces of x (9 rows: 1.5x against 1.9x). One row of x walks its weight rows one at a time.
+// - a 2-vCPU Intel Xeon (AVX512-BF16, no AMX; vdpbf16ps takes two cycles), median of 7 runs
+//   taken in turn: the prefetch for every pair brings 2 rows to 12.5 ms from 17.7 and 5 rows to
+//   16.7 from 23.1, and one row staged takes 12.6-13.4 ms against 15.5-21.7 for the walk (12 MLP
+//   gate/up projections [9728, 896] read from memory: 9.9-11.1 against 13.2-18.1).
+// AMD CPUs take the first way, the others the second (streaming()).
 //
 // With more rows of x, or once they no longer fit in L1 (a long verify, a prefill chunk, wide
 // layers) four weight rows share each load of x (three x rows each load of a weight row), 64
@@ -40,7 +44,19 @@ constexpr int64_t kOnePass = 4;
 constexpr int64_t kStagedRows = 16;
 constexpr int64_t kStagedBytes = 32 << 10;
 constexpr int64_t kPiece = 5;       // rows of x per dot_block<T, 2, G> (G <= 5)
-constexpr int64_t kPairsAhead = 2;  // the pair prefetched into L2 while a pair computes
+constexpr int64_t kPairsAhead = 2;  // the pair prefetched into L2 while a pair computes (streaming())
+
+// How the staged path streams on this CPU (see the top of the file).
+struct Streaming {
+  bool one_row_staged;       // one row of x staged like a few, instead of a walk over the weight rows
+  bool prefetch_every_pair;  // the pair kPairsAhead on asked into L2 for every pair, not only for
+                             // pairs that take several pieces of x
+};
+
+const Streaming& streaming() {
+  static const Streaming s = amd_cpu() ? Streaming{false, false} : Streaming{true, true};
+  return s;
+}
 
 // Blocks for many rows of x: 64 weight rows (kept in L2) against chunks of x rows that fit half
 // of L1, four weight rows by four x rows at a time (dot_block_phased).
@@ -53,8 +69,8 @@ void prefetch_rows(const W* rows, int64_t count, int64_t row_bytes) {
 }
 
 // Output rows r0 .. r1 - 1 against n rows of x, two weight rows at a time, each pair copied to
-// an L1 buffer first and the pair kPairsAhead on asked into L2 (see the top of the file); the
-// pieces split n as evenly as possible (9: 5 + 4).
+// an L1 buffer first, the pair kPairsAhead on asked into L2 as streaming() says (see the top of
+// the file); the pieces split n as evenly as possible (9: 5 + 4).
 template <typename T>
 void staged_rows(const typename T::W* w, int64_t in, const typename T::X* x, int64_t n, int64_t r0, int64_t r1,
                  float* y, int64_t out) {
@@ -63,10 +79,11 @@ void staged_rows(const typename T::W* w, int64_t in, const typename T::X* x, int
   std::vector<W> storage(2 * in + 64 / sizeof(W));
   W* buf = reinterpret_cast<W*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
   const int64_t pieces = (n + kPiece - 1) / kPiece;
+  const bool prefetch = streaming().prefetch_every_pair;
   int64_t r = r0;
   for (; r + 2 <= r1; r += 2) {
     std::memcpy(buf, w + r * in, pair_bytes);
-    if (r + 2 * kPairsAhead + 2 <= r1) {
+    if ((pieces > 1 || prefetch) && r + 2 * kPairsAhead + 2 <= r1) {
       const char* ahead = reinterpret_cast<const char*>(w + (r + 2 * kPairsAhead) * in);
       for (int64_t b = 0; b < pair_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
     }
@@ -95,7 +112,7 @@ void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const type
   const bool blocked = n > kOnePass || (n > 1 && n * x_row > kBlockedAbove);
   const int64_t x_chunk = std::max<int64_t>(4, (512 << 10) / x_row / 4 * 4);
   const int64_t pair_bytes = 2 * in * static_cast<int64_t>(sizeof(typename T::W));
-  const bool staged = n >= 1 && n <= kStagedRows && n * x_row + pair_bytes <= kStagedBytes;
+  const bool staged = (n > 1 || (n == 1 && streaming().one_row_staged)) && n <= kStagedRows && n * x_row + pair_bytes <= kStagedBytes;
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
     if (staged) return staged_rows<T>(w, in, x, n, r0, r1, y, out);
     if (!blocked) {

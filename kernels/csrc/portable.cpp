@@ -112,6 +112,15 @@ int allowed_features() {
 
 void set_allowed_features(int mask) { g_allowed.store(mask, std::memory_order_relaxed); }
 
+bool amd_cpu() {
+#if HR_X86
+  static const bool amd = __builtin_cpu_is("amd");
+  return amd;
+#else
+  return false;
+#endif
+}
+
 bool has_avx512() { return allowed(kFeatureAvx512); }
 bool has_avx512_bf16() { return allowed(kFeatureAvx512Bf16); }
 bool has_amx() { return allowed(kFeatureAmx); }
