@@ -46,6 +46,12 @@ bool has_amx();
 // Whether the CPU is AMD's (CPUID's vendor), for tuning that does not change results.
 bool amd_cpu();
 
+// How the AVX-512 dense kernel streams few rows of x (dense_avx512.cpp): chosen by the CPU's
+// vendor, or forced one way (tests run both on any CPU; the sums are the same either way).
+enum DenseStreaming { kStreamingByCpu = -1, kStreamingWalk = 0, kStreamingStaged = 1 };
+int dense_streaming();
+void set_dense_streaming(int mode);
+
 // fp8 e4m3 byte -> float, a 256-entry table (NaN encodings are never block scales).
 const float* fp8_table();
 

@@ -255,6 +255,11 @@ at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t pat
 int64_t cpu_features() { return allowed_features(); }
 int64_t cpu_supported_features() { return supported_features(); }
 void set_cpu_features(int64_t mask) { set_allowed_features(static_cast<int>(mask)); }
+int64_t get_dense_streaming() { return dense_streaming(); }
+void force_dense_streaming(int64_t mode) {
+  TORCH_CHECK(mode >= kStreamingByCpu && mode <= kStreamingStaged, "dense streaming mode must be -1, 0 or 1, got ", mode);
+  set_dense_streaming(static_cast<int>(mode));
+}
 
 }  // namespace
 
@@ -283,4 +288,6 @@ TORCH_LIBRARY(hetero_run, m) {
   m.def("cpu_features() -> int", &hetero_run_cpu::cpu_features);
   m.def("cpu_supported_features() -> int", &hetero_run_cpu::cpu_supported_features);
   m.def("set_cpu_features(int mask) -> ()", &hetero_run_cpu::set_cpu_features);
+  m.def("dense_streaming() -> int", &hetero_run_cpu::get_dense_streaming);
+  m.def("set_dense_streaming(int mode) -> ()", &hetero_run_cpu::force_dense_streaming);
 }

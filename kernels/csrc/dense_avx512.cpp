@@ -53,9 +53,12 @@ struct Streaming {
                              // pairs that take several pieces of x
 };
 
-const Streaming& streaming() {
-  static const Streaming s = amd_cpu() ? Streaming{false, false} : Streaming{true, true};
-  return s;
+Streaming streaming() {
+  switch (dense_streaming()) {
+    case kStreamingWalk: return {false, false};
+    case kStreamingStaged: return {true, true};
+    default: return amd_cpu() ? Streaming{false, false} : Streaming{true, true};
+  }
 }
 
 // Blocks for many rows of x: 64 weight rows (kept in L2) against chunks of x rows that fit half

@@ -112,6 +112,13 @@ int allowed_features() {
 
 void set_allowed_features(int mask) { g_allowed.store(mask, std::memory_order_relaxed); }
 
+namespace {
+std::atomic<int> g_dense_streaming{kStreamingByCpu};
+}
+
+int dense_streaming() { return g_dense_streaming.load(std::memory_order_relaxed); }
+void set_dense_streaming(int mode) { g_dense_streaming.store(mode, std::memory_order_relaxed); }
+
 bool amd_cpu() {
 #if HR_X86
   static const bool amd = __builtin_cpu_is("amd");

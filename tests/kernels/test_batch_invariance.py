@@ -78,6 +78,32 @@ def test_each_compiled_path_is_batch_invariant(isa, inp):
                            lib.nvfp4_linear(x[:20], q.codes, scales, row_scale, isa.path)[3])
 
 
+@pytest.mark.parametrize("out, inp", [(75, 896), (96, 256), (26, 1040)])
+def test_both_dense_streaming_ways_give_the_same_bits(isa, out, inp):
+    """The two ways the AVX-512 dense kernel streams few rows (chosen by the CPU's vendor) run
+    the same sums in the same order: every row count gives the same bits either way, and the
+    same bits as each row alone."""
+    lib = cpu_ext.ops()
+    g = torch.Generator().manual_seed(out + inp)
+    w = torch.randn(out, inp, generator=g)
+    before = lib.dense_streaming()
+    try:
+        for dtype in [torch.bfloat16] if isa.bf16_only else [torch.bfloat16, torch.float32]:
+            wd = w.to(dtype)
+            x = torch.randn(17, inp, generator=g).to(dtype)
+            for n in (1, 2, 5, 9, 16, 17):
+                ys = []
+                for mode in (0, 1):
+                    lib.set_dense_streaming(mode)
+                    ys.append(lib.dense_linear(x[:n], wd, isa.path))
+                    assert _row_by_row_equal(lambda r, wd=wd: lib.dense_linear(r, wd, isa.path), x[:n]) == [], (mode, n)
+                assert torch.equal(ys[0], ys[1]), (dtype, n)
+        with pytest.raises(RuntimeError, match="dense streaming mode must be -1, 0 or 1, got 2"):
+            lib.set_dense_streaming(2)
+    finally:
+        lib.set_dense_streaming(before)
+
+
 def test_prefill_sized_forwards_are_row_invariant_with_the_library():
     if cpu_ext.ops() is None:
         pytest.skip("the compiled kernels do not build here")

@@ -156,7 +156,7 @@ def test_block_scales_decode_exactly_where_denormals_are_flushed(isa):
 
 
 @pytest.mark.parametrize("shape", [(37, 896), (6, 80), (9, 40), (130, 4864), (33, 97)])
-def test_each_dense_path_matches_float64(isa, shape):
+def test_each_dense_path_matches_float64(isa, shape, dense_streaming):
     if isa.name == "amx" and shape[1] % 32:
         pytest.skip("AMX tiles need in_features a multiple of 32")
     lib = cpu_ext.ops()
