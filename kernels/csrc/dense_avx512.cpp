@@ -21,7 +21,7 @@
 //   taken in turn: the prefetch for every pair brings 2 rows to 12.5 ms from 17.7 and 5 rows to
 //   16.7 from 23.1, and one row staged takes 12.6-13.4 ms against 15.5-21.7 for the walk (12 MLP
 //   gate/up projections [9728, 896] read from memory: 9.9-11.1 against 13.2-18.1).
-// AMD CPUs take the first way, the others the second (streaming()).
+// AMD CPUs take the first way, the others the second (stream_every_pair()).
 //
 // With more rows of x, or once they no longer fit in L1 (a long verify, a prefill chunk, wide
 // layers) four weight rows share each load of x (three x rows each load of a weight row), 64
@@ -44,20 +44,16 @@ constexpr int64_t kOnePass = 4;
 constexpr int64_t kStagedRows = 16;
 constexpr int64_t kStagedBytes = 32 << 10;
 constexpr int64_t kPiece = 5;       // rows of x per dot_block<T, 2, G> (G <= 5)
-constexpr int64_t kPairsAhead = 2;  // the pair prefetched into L2 while a pair computes (streaming())
+constexpr int64_t kPairsAhead = 2;  // the pair prefetched into L2 while a pair computes (stream_every_pair())
 
-// How the staged path streams on this CPU (see the top of the file).
-struct Streaming {
-  bool one_row_staged;       // one row of x staged like a few, instead of a walk over the weight rows
-  bool prefetch_every_pair;  // the pair kPairsAhead on asked into L2 for every pair, not only for
-                             // pairs that take several pieces of x
-};
-
-Streaming streaming() {
+// Whether the staged path streams the second way at the top of the file (one row of x staged
+// too, and every pair asking for the pair kPairsAhead on), or the first (one row walked, the
+// prefetch only for pairs that take several pieces of x).
+bool stream_every_pair() {
   switch (dense_streaming()) {
-    case kStreamingWalk: return {false, false};
-    case kStreamingStaged: return {true, true};
-    default: return amd_cpu() ? Streaming{false, false} : Streaming{true, true};
+    case kStreamingWalk: return false;
+    case kStreamingStaged: return true;
+    default: return !amd_cpu();
   }
 }
 
@@ -72,21 +68,22 @@ void prefetch_rows(const W* rows, int64_t count, int64_t row_bytes) {
 }
 
 // Output rows r0 .. r1 - 1 against n rows of x, two weight rows at a time, each pair copied to
-// an L1 buffer first, the pair kPairsAhead on asked into L2 as streaming() says (see the top of
-// the file); the pieces split n as evenly as possible (9: 5 + 4).
+// an L1 buffer first, the pair kPairsAhead on asked into L2 for every pair (`every_pair`) or for
+// pairs of several pieces (see the top of the file); the pieces split n as evenly as possible
+// (9: 5 + 4).
 template <typename T>
 void staged_rows(const typename T::W* w, int64_t in, const typename T::X* x, int64_t n, int64_t r0, int64_t r1,
-                 float* y, int64_t out) {
+                 float* y, int64_t out, bool every_pair) {
   using W = typename T::W;
   const int64_t pair_bytes = 2 * in * static_cast<int64_t>(sizeof(W));
   std::vector<W> storage(2 * in + 64 / sizeof(W));
   W* buf = reinterpret_cast<W*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
   const int64_t pieces = (n + kPiece - 1) / kPiece;
-  const bool prefetch = streaming().prefetch_every_pair;
+  const bool prefetch = every_pair || pieces > 1;
   int64_t r = r0;
   for (; r + 2 <= r1; r += 2) {
     std::memcpy(buf, w + r * in, pair_bytes);
-    if ((pieces > 1 || prefetch) && r + 2 * kPairsAhead + 2 <= r1) {
+    if (prefetch && r + 2 * kPairsAhead + 2 <= r1) {
       const char* ahead = reinterpret_cast<const char*>(w + (r + 2 * kPairsAhead) * in);
       for (int64_t b = 0; b < pair_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T1);
     }
@@ -115,9 +112,10 @@ void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const type
   const bool blocked = n > kOnePass || (n > 1 && n * x_row > kBlockedAbove);
   const int64_t x_chunk = std::max<int64_t>(4, (512 << 10) / x_row / 4 * 4);
   const int64_t pair_bytes = 2 * in * static_cast<int64_t>(sizeof(typename T::W));
-  const bool staged = (n > 1 || (n == 1 && streaming().one_row_staged)) && n <= kStagedRows && n * x_row + pair_bytes <= kStagedBytes;
+  const bool every_pair = stream_every_pair();  // read once per call, not per thread
+  const bool staged = n >= 1 && (n > 1 || every_pair) && n <= kStagedRows && n * x_row + pair_bytes <= kStagedBytes;
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
-    if (staged) return staged_rows<T>(w, in, x, n, r0, r1, y, out);
+    if (staged) return staged_rows<T>(w, in, x, n, r0, r1, y, out, every_pair);
     if (!blocked) {
       for (int64_t r = r0; r < r1; ++r) rows_times_x<T, 1, 4>(w + r * in, in, x, in, n, in, r, nullptr, y, out);
       return;

@@ -1,4 +1,5 @@
 import pytest
+from kernel_support import forced_dense_streaming
 
 from hetero_run.kernels import cpu_ext, cpu_isa
 
@@ -41,13 +42,9 @@ def isa(request) -> cpu_isa.Isa:
 
 @pytest.fixture(params=[0, 1], ids=["walk", "staged"])
 def dense_streaming(request):
-    """Each way the AVX-512 dense kernel streams few rows of x (one row walked and the prefetch
-    only for pairs of several pieces, or one row staged and every pair prefetching), forced in
-    turn whatever the CPU's vendor would pick; the CPU's choice is restored afterwards."""
+    """Each way the AVX-512 dense kernel streams few rows of x, forced in turn."""
     lib = cpu_ext.ops()
     if lib is None:
         pytest.skip("the compiled kernels do not build here")
-    before = lib.dense_streaming()
-    lib.set_dense_streaming(request.param)
-    yield request.param
-    lib.set_dense_streaming(before)
+    with forced_dense_streaming(lib, request.param):
+        yield request.param

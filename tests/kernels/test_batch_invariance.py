@@ -5,6 +5,7 @@ forward); the fallback keeps it up to VERIFY_MAX_ROWS rows."""
 
 import pytest
 import torch
+from kernel_support import forced_dense_streaming
 
 from hetero_run.kernels import batch_invariance, cpu_ext, nvfp4
 from hetero_run.kernels.batch_invariance import VERIFY_MAX_ROWS, linear_rows_invariant, per_row
@@ -86,22 +87,18 @@ def test_both_dense_streaming_ways_give_the_same_bits(isa, out, inp):
     lib = cpu_ext.ops()
     g = torch.Generator().manual_seed(out + inp)
     w = torch.randn(out, inp, generator=g)
-    before = lib.dense_streaming()
-    try:
-        for dtype in [torch.bfloat16] if isa.bf16_only else [torch.bfloat16, torch.float32]:
-            wd = w.to(dtype)
-            x = torch.randn(17, inp, generator=g).to(dtype)
-            for n in (1, 2, 5, 9, 16, 17):
-                ys = []
-                for mode in (0, 1):
-                    lib.set_dense_streaming(mode)
+    for dtype in [torch.bfloat16] if isa.bf16_only else [torch.bfloat16, torch.float32]:
+        wd = w.to(dtype)
+        x = torch.randn(17, inp, generator=g).to(dtype)
+        for n in (1, 2, 5, 9, 16, 17):
+            ys = []
+            for mode in (0, 1):
+                with forced_dense_streaming(lib, mode):
                     ys.append(lib.dense_linear(x[:n], wd, isa.path))
                     assert _row_by_row_equal(lambda r, wd=wd: lib.dense_linear(r, wd, isa.path), x[:n]) == [], (mode, n)
-                assert torch.equal(ys[0], ys[1]), (dtype, n)
-        with pytest.raises(RuntimeError, match="dense streaming mode must be -1, 0 or 1, got 2"):
-            lib.set_dense_streaming(2)
-    finally:
-        lib.set_dense_streaming(before)
+            assert torch.equal(ys[0], ys[1]), (dtype, n)
+    with pytest.raises(RuntimeError, match="dense streaming mode must be -1, 0 or 1, got 2"):
+        lib.set_dense_streaming(2)
 
 
 def test_prefill_sized_forwards_are_row_invariant_with_the_library():
