@@ -3,7 +3,11 @@
 A request that fails validation is a 400 naming the field (`messages[1].role: Input should be
 'system', 'user' or 'assistant'`). Types are strict, as OpenAI's are: "5" is not a number.
 Fields a server does not know are ignored (clients send extras); fields hetero-run knows but
-cannot honour (n > 1, logprobs, echo) are a 400 naming them.
+cannot honour (n > 1, logprobs, echo; tools the model may call, a response format other than
+text, sampling penalties and logit biases) are a 400 naming them, as vLLM and llama-server refuse
+what they are not set up for: an answer that quietly ignored them would not be what was asked.
+The neutral values clients send by default (penalties of 0, an empty logit_bias, tool_choice
+"none", {"type": "text"}) pass.
 """
 
 from __future__ import annotations
@@ -102,10 +106,28 @@ def parse(kind: type[_Request], body: bytes) -> _Request:
         data.pop("logprobs")  # chat clients send logprobs: false
     if data.get("top_logprobs") or data.get("logprobs"):
         raise bad_request("log probabilities are not supported", "logprobs")
+    for field, neutral, why in _NOT_HONOURED:
+        if field in data and data[field] is not None and not neutral(data[field], data):
+            raise bad_request(why, field)
     try:
         return kind.model_validate(data)
     except ValidationError as exc:
         raise _field_error(exc) from None
+
+
+# (field, whether its value asks for nothing, the 400's message)
+_NOT_HONOURED = (
+    ("tools", lambda v, d: v == [] or d.get("tool_choice") == "none",
+     'tool calling is not supported: send no tools, or tool_choice "none"'),
+    ("tool_choice", lambda v, d: v == "none" or (v == "auto" and not d.get("tools")),
+     "tool calling is not supported"),
+    ("response_format", lambda v, d: v == {"type": "text"},
+     'only {"type": "text"} is supported: no JSON mode or schema-constrained decoding'),
+    ("presence_penalty", lambda v, d: v == 0, "sampling penalties are not supported (0 only)"),
+    ("frequency_penalty", lambda v, d: v == 0, "sampling penalties are not supported (0 only)"),
+    ("repetition_penalty", lambda v, d: v == 1, "repetition_penalty is not supported (1 only)"),
+    ("logit_bias", lambda v, d: v == {}, "logit_bias is not supported"),
+)
 
 
 def _field_error(exc: ValidationError) -> APIError:

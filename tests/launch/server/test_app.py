@@ -97,6 +97,13 @@ def error_of(response: httpx.Response) -> dict:
     ({**CHAT, "stream": "yes"}, 400, "stream", "valid boolean"),
     ({"model": "tiny"}, 400, "messages", "is required"),
     ({**CHAT, "max_tokens": 1000}, 400, "messages", "context holds 64 tokens"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool calling"),
+    ({**CHAT, "tool_choice": "required"}, 400, "tool_choice", "tool calling"),
+    ({**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", '{"type": "text"}'),
+    ({**CHAT, "presence_penalty": 0.5}, 400, "presence_penalty", "penalties"),
+    ({**CHAT, "frequency_penalty": -1}, 400, "frequency_penalty", "penalties"),
+    ({**CHAT, "repetition_penalty": 1.1}, 400, "repetition_penalty", "1 only"),
+    ({**CHAT, "logit_bias": {"42": 5}}, 400, "logit_bias", "not supported"),
     ({**CHAT, "model": "gpt-4"}, 404, "model", "does not exist"),
 ])
 def test_bad_chat_requests_get_openai_errors_naming_the_field(engine, body, status, param, words):
@@ -137,7 +144,9 @@ def test_a_correct_request_after_bad_ones_is_served(engine):
 
 def test_request_fields_reach_the_engine(engine):
     body = {**CHAT, "max_completion_tokens": 5, "temperature": 0, "top_p": 0.5, "top_k": 3, "seed": 9,
-            "stop": ["\n\n", "END"], "ignore_eos": True, "user": "someone", "frequency_penalty": 0}
+            "stop": ["\n\n", "END"], "ignore_eos": True, "user": "someone", "frequency_penalty": 0,
+            "presence_penalty": 0.0, "logit_bias": {}, "response_format": {"type": "text"},
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none"}
     assert run(post(engine, "/v1/chat/completions", body)).status_code == 200
     (request,) = engine.requests
     assert request.max_new_tokens == 5 and request.stop_strings == ("\n\n", "END") and request.stop_ids == frozenset()
