@@ -284,9 +284,10 @@ def encode(tokenizer, prompt: Prompt, chat: bool, target: Path) -> list[int]:
     return ids
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
-    """A conversation through the target's chat template, ending with the assistant's turn."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """A conversation through the target's chat template, ending with the assistant's turn (with
+    `tools`, the template lists them)."""
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -15,6 +15,7 @@ import hmac
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,7 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from hetero_run.kernels.sampling import SamplingParams
-from hetero_run.launch.server import protocol
+from hetero_run.launch.server import protocol, tools
 from hetero_run.launch.server.errors import APIError, bad_request, unavailable
 from hetero_run.launch.server.sse import DONE, Channel, Mailbox, event
 from hetero_run.runtime.engine.api import EngineState, EngineUnavailable, GenerationRequest, QueueFull
@@ -115,7 +116,8 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
             if engine.state is not EngineState.READY or app.state.prompter is None:
                 raise unavailable_error()
             prompter = app.state.prompter
-            render = (lambda: prompter.chat(req.conversation())) if chat else (lambda: prompter.completion(req.prompt))
+            render = partial(prompter.chat, req.conversation(), req.offered_tools) if chat else \
+                partial(prompter.completion, req.prompt)
             prompt = await run_in_threadpool(render)
             generation = _generation_request(req, prompt, prompter, engine.max_context,
                                              "messages" if chat else "prompt", arrival)
@@ -160,19 +162,34 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         _log_output(ids, ev, "".join(texts))
         if ev.finish_reason not in ("stop", "length"):
             raise _final_error(ev)
-        build = protocol.chat_response if chat else protocol.completion_response
         token_ids = (channel.prompt_ids, tokens) if req.return_token_ids else None
-        return JSONResponse(build(ids, "".join(texts), ev.finish_reason, ev.usage, ev.speculation, token_ids))
+        text = "".join(texts)
+        if not chat:
+            return JSONResponse(protocol.completion_response(ids, text, ev.finish_reason, ev.usage, ev.speculation,
+                                                             token_ids))
+        content, calls = tools.parse(text, req.tool_names) if req.offered_tools else (text, [])
+        return JSONResponse(protocol.chat_response(ids, content, _finish(ev.finish_reason, calls), ev.usage,
+                                                   ev.speculation, token_ids, calls))
 
     async def _stream(request, req, ids, channel: Channel, chat: bool):
         usage = req.include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str, finish: str | None = None, speculation=None) -> bytes:
+        calls = tools.CallStream(req.tool_names) if chat and req.offered_tools else None
+
+        def chunks(text: str, final: bool = False) -> list[bytes]:
+            if not chat:
+                return [event(protocol.completion_chunk(ids, text, None, usage))] if text else []
+            deltas = [{"content": text}] if calls is None and text else []
+            if calls is not None:
+                deltas = calls.feed(text) + (calls.finish() if final else [])
+            return [event(protocol.chat_chunk(ids, delta, None, usage)) for delta in deltas]
+
+        def last(finish: str, speculation) -> bytes:
             if chat:
-                delta = {} if finish is not None and not text else {"content": text}
-                return event(protocol.chat_chunk(ids, delta, finish, usage, speculation))
-            return event(protocol.completion_chunk(ids, text, finish, usage, speculation))
+                finish = _finish(finish, [None] * (calls.calls if calls else 0))
+                return event(protocol.chat_chunk(ids, {}, finish, usage, speculation))
+            return event(protocol.completion_chunk(ids, "", finish, usage, speculation))
 
         async def frames():
             app.state.open_requests += 1
@@ -186,13 +203,13 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
                     texts.append(ev.text)
                     if ev.final:
                         break
-                    if ev.text:
-                        yield chunk(ev.text)
+                    for frame in chunks(ev.text):
+                        yield frame
                 _log_output(ids, ev, "".join(texts))
                 if ev.finish_reason in ("stop", "length"):
-                    if ev.text:
-                        yield chunk(ev.text)
-                    yield chunk("", ev.finish_reason, ev.speculation)
+                    for frame in chunks(ev.text, final=True):
+                        yield frame
+                    yield last(ev.finish_reason, ev.speculation)
                     if usage:
                         yield event(protocol.usage_chunk(ids, obj, ev.usage))
                 else:
@@ -218,6 +235,11 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
                      text)
 
     return app
+
+
+def _finish(reason: str, calls: list) -> str:
+    """OpenAI's finish_reason "tool_calls" for an answer that ended by itself after calling tools."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _generation_request(req, prompt, prompter, max_context: int, param: str, arrival: float) -> GenerationRequest:

@@ -21,15 +21,22 @@ class Prompter:
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
-    def chat(self, conversation: list[dict]) -> Prompt:
+    def chat(self, conversation: list[dict], tools: list[dict] | None = None) -> Prompt:
+        """With tools, or a conversation that carries tool calls or results, the drafter reads the
+        target's rendering as text: its own template may know nothing of tools."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("the model's tokenizer has no chat template: use /v1/completions", "messages")
         try:
             with self._lock:
-                ids = encode_chat(self.tokenizer, conversation)
+                ids = encode_chat(self.tokenizer, conversation, tools)
+                listed = not tools or ids != encode_chat(self.tokenizer, conversation)
         except Exception as exc:  # a template that refuses the conversation (e.g. roles out of order)
             raise bad_request(f"the chat template refused the conversation: {exc}", "messages") from None
-        return self._checked(Prompt(messages=tuple(conversation), target_ids=tuple(ids)), "messages")
+        if not listed:
+            raise bad_request("the model's chat template does not list tools, so the model cannot call them", "tools")
+        tooled = tools or any(m["role"] == "tool" or m.get("tool_calls") for m in conversation)
+        messages = None if tooled else tuple(conversation)
+        return self._checked(Prompt(messages=messages, target_ids=tuple(ids)), "messages")
 
     def completion(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, str):

@@ -3,11 +3,16 @@
 A request that fails validation is a 400 naming the field (`messages[1].role: Input should be
 'system', 'user' or 'assistant'`). Types are strict, as OpenAI's are: "5" is not a number.
 Fields a server does not know are ignored (clients send extras); fields hetero-run knows but
-cannot honour (n > 1, logprobs, echo; tools the model may call, a response format other than
-text, sampling penalties and logit biases) are a 400 naming them, as vLLM and llama-server refuse
-what they are not set up for: an answer that quietly ignored them would not be what was asked.
-The neutral values clients send by default (penalties of 0, an empty logit_bias, tool_choice
-"none", {"type": "text"}) pass.
+cannot honour (n > 1, logprobs, echo; a tool_choice that forces a call, a response format other
+than text, sampling penalties and logit biases) are a 400 naming them, as vLLM and llama-server
+refuse what they are not set up for: an answer that quietly ignored them would not be what was
+asked. The neutral values clients send by default (penalties of 0, an empty logit_bias,
+{"type": "text"}) pass.
+
+Tools: `tools` with `tool_choice` "auto" (the default) reach the chat template, and the answer's
+calls come back as `tool_calls` (tools.py); "none" leaves them out of the prompt. A conversation
+may carry earlier calls (an assistant message's `tool_calls`, its content null) and their results
+(`role: "tool"` messages).
 """
 
 from __future__ import annotations
@@ -65,20 +70,93 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    name: str
+    arguments: str  # a JSON object, encoded, as OpenAI sends it
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value):
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            raise ValueError("is not valid JSON") from None
+        if not isinstance(decoded, dict):
+            raise ValueError("must encode a JSON object")
+        return value
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict:
+        # chat templates write the arguments with `| tojson`: they take the object, not its encoding
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": json.loads(self.function.arguments)}}
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # which call a tool message answers
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+    def for_template(self) -> dict:
+        out = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
 
     def conversation(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        for i, m in enumerate(self.messages):
+            if m.content is None and not (m.role == "assistant" and m.tool_calls):
+                raise bad_request("is required (null only for an assistant message with tool_calls)",
+                                  f"messages[{i}].content")
+            if m.tool_calls and m.role != "assistant":
+                raise bad_request("only assistant messages carry tool calls", f"messages[{i}].tool_calls")
+        return [m.for_template() for m in self.messages]
+
+    @property
+    def offered_tools(self) -> list[dict] | None:
+        """The tools the chat template lists, or None (no tools, or tool_choice "none")."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.model_dump(exclude_none=True) for tool in self.tools]
+
+    @property
+    def tool_names(self) -> set[str]:
+        return {tool.function.name for tool in self.tools or ()}
 
 
 class CompletionRequest(_Request):
@@ -117,10 +195,8 @@ def parse(kind: type[_Request], body: bytes) -> _Request:
 
 # (field, whether its value asks for nothing, the 400's message)
 _NOT_HONOURED = (
-    ("tools", lambda v, d: v == [] or d.get("tool_choice") == "none",
-     'tool calling is not supported: send no tools, or tool_choice "none"'),
-    ("tool_choice", lambda v, d: v == "none" or (v == "auto" and not d.get("tools")),
-     "tool calling is not supported"),
+    ("tool_choice", lambda v, d: v in ("none", "auto"),
+     'only "auto" and "none" are supported: a forced call needs constrained decoding'),
     ("response_format", lambda v, d: v == {"type": "text"},
      'only {"type": "text"} is supported: no JSON mode or schema-constrained decoding'),
     ("presence_penalty", lambda v, d: v == 0, "sampling penalties are not supported (0 only)"),
@@ -140,6 +216,8 @@ def _field_error(exc: ValidationError) -> APIError:
         message = "is required"
     elif error["type"] == "literal_error" and param == "n":
         message = "only n = 1 is supported"
+    elif error["type"] == "value_error":
+        message = str(error["ctx"]["error"])
     return bad_request(message, param)
 
 
@@ -176,9 +254,12 @@ class ResponseIds:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def chat_response(ids: ResponseIds, text: str, finish_reason: str, usage, speculation, token_ids=None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-              "finish_reason": finish_reason}
+def chat_response(ids: ResponseIds, text: str | None, finish_reason: str, usage, speculation, token_ids=None,
+                  tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
     return _with_ids({**ids.head("chat.completion"), "choices": [choice], "usage": Usage.of(usage).model_dump(),
                       "speculation": _speculation(speculation)}, token_ids)
 

@@ -1,5 +1,6 @@
 """`hetero-run serve` on the real CPU pair under `mpirun -np 2`: the openai client's greedy chat,
-streamed and not, equals `hetero-run generate --json --chat` token for token (slow)."""
+streamed and not, equals `hetero-run generate --json --chat` token for token, and the real target
+calls an offered tool (slow)."""
 
 from __future__ import annotations
 
@@ -40,5 +41,14 @@ def test_real_pair_chat_equals_generate(tmp_path):
                                                      temperature=0, stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
         assert "def " in ref["text"]
+        weather = {"type": "function", "function": {
+            "name": "get_weather", "description": "Get the current weather of a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+        asked = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+        out = client.chat.completions.create(model=TARGET.name, messages=asked, tools=[weather], max_tokens=48,
+                                             temperature=0)
+        (call,) = out.choices[0].message.tool_calls
+        assert out.choices[0].finish_reason == "tool_calls", out.choices[0]
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
     finally:
         stop_server(server)

@@ -4,84 +4,13 @@ input, auth, routes, body size, health per engine state, CORS, SSE framing, metr
 from __future__ import annotations
 
 import json
-import threading
 
-import httpx
 import pytest
 import speculative_support as support
+from app_support import CHAT, client_for, error_of, parse_sse, post, run
 
-from hetero_run.launch.server.app import ServerSettings, create_app
 from hetero_run.launch.server.metrics import Metrics
-from hetero_run.launch.server.prompts import Prompter
-from hetero_run.runtime.engine.api import (
-    EngineState,
-    EngineStats,
-    GenerationEvent,
-    QueueFull,
-    SpeculationSummary,
-    Usage,
-)
-
-CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
-
-
-class ScriptedEngine:
-    """Answers every request with `pieces` of text (one token each), then `finish`."""
-
-    def __init__(self):
-        self.state, self.error, self.max_context, self.algorithm = EngineState.READY, None, 64, "slem"
-        self.pieces, self.finish, self.full = ["Hel", "lo", " wörld"], "length", False
-        self.requests, self.cancelled = [], []
-
-    def submit(self, request, sink):
-        if self.full:
-            raise QueueFull("1 requests are waiting (--max-queue 1)")
-        self.requests.append(request)
-
-        def run():
-            for piece in self.pieces:
-                sink(GenerationEvent(request.request_id, piece, (7,)))
-            n = len(self.pieces)
-            sink(GenerationEvent(request.request_id, "", (), self.finish, "boom" if self.finish == "error" else None,
-                                 Usage(request.prompt_tokens, n), SpeculationSummary("slem", 2, 1, 3, 1)))
-
-        threading.Thread(target=run).start()
-
-    def cancel(self, request_id):
-        self.cancelled.append(request_id)
-
-    def stats(self):
-        return EngineStats(0, 0, 64, 60)
-
-
-@pytest.fixture
-def engine():
-    return ScriptedEngine()
-
-
-def client_for(engine, **settings) -> httpx.AsyncClient:
-    app = create_app(engine, ServerSettings(model="tiny", **settings), Metrics(engine))
-    tokenizer = support.byte_level()
-    app.state.prompter = Prompter(tokenizer, {tokenizer.eos_token_id})
-    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
-
-
-async def post(engine, path, body, headers=None, **settings) -> httpx.Response:
-    async with client_for(engine, **settings) as client:
-        content = body if isinstance(body, bytes) else json.dumps(body).encode()
-        return await client.post(path, content=content, headers={"content-type": "application/json", **(headers or {})})
-
-
-def run(coro):
-    import asyncio
-
-    return asyncio.run(coro)
-
-
-def error_of(response: httpx.Response) -> dict:
-    body = response.json()
-    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
-    return body["error"]
+from hetero_run.runtime.engine.api import EngineState, GenerationEvent, SpeculationSummary, Usage
 
 
 @pytest.mark.parametrize("body, status, param, words", [
@@ -97,8 +26,14 @@ def error_of(response: httpx.Response) -> dict:
     ({**CHAT, "stream": "yes"}, 400, "stream", "valid boolean"),
     ({"model": "tiny"}, 400, "messages", "is required"),
     ({**CHAT, "max_tokens": 1000}, 400, "messages", "context holds 64 tokens"),
-    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "tool calling"),
-    ({**CHAT, "tool_choice": "required"}, 400, "tool_choice", "tool calling"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools", "does not list tools"),
+    ({**CHAT, "tools": [{"type": "function", "function": {"name": ""}}]}, 400, "tools[0].function.name", "at least 1"),
+    ({**CHAT, "tool_choice": "required"}, 400, "tool_choice", 'only "auto" and "none"'),
+    ({**CHAT, "tool_choice": {"type": "function", "function": {"name": "f"}}}, 400, "tool_choice", "forced call"),
+    ({**CHAT, "messages": [{"role": "user"}]}, 400, "messages[0].content", "is required"),
+    ({**CHAT, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]}, 400,
+     "messages[1].tool_calls[0].function.arguments", "not valid JSON"),
     ({**CHAT, "response_format": {"type": "json_object"}}, 400, "response_format", '{"type": "text"}'),
     ({**CHAT, "presence_penalty": 0.5}, 400, "presence_penalty", "penalties"),
     ({**CHAT, "frequency_penalty": -1}, 400, "frequency_penalty", "penalties"),
@@ -168,13 +103,6 @@ def test_content_parts_are_joined_and_token_prompts_accepted(engine):
     assert engine.requests[1].prompt.target_ids == (5, 6, 7)
     error = error_of(run(post(engine, "/v1/completions", {"prompt": [5, 99999], "max_tokens": 4})))
     assert error["param"] == "prompt" and "outside the vocabulary" in error["message"]
-
-
-def parse_sse(text: str) -> list:
-    assert text.endswith("\n\n")
-    frames = text.split("\n\n")[:-1]
-    assert all(f.startswith("data: ") for f in frames), frames
-    return [f[6:] if f[6:] == "[DONE]" else json.loads(f[6:]) for f in frames]
 
 
 def test_chat_stream_framing(engine):

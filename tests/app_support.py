@@ -1,0 +1,89 @@
+"""The server app in process over a scripted engine, for tests/launch/server: the engine, an
+httpx client on the app's ASGI transport, and readers of error bodies and SSE streams.
+
+    from app_support import CHAT, ScriptedEngine, error_of, parse_sse, post, run
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+import httpx
+import speculative_support as support
+
+from hetero_run.launch.server.app import ServerSettings, create_app
+from hetero_run.launch.server.metrics import Metrics
+from hetero_run.launch.server.prompts import Prompter
+from hetero_run.runtime.engine.api import (
+    EngineState,
+    EngineStats,
+    GenerationEvent,
+    QueueFull,
+    SpeculationSummary,
+    Usage,
+)
+
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+
+
+class ScriptedEngine:
+    """Answers every request with `pieces` of text (one token each), then `finish`."""
+
+    def __init__(self):
+        self.state, self.error, self.max_context, self.algorithm = EngineState.READY, None, 64, "slem"
+        self.pieces, self.finish, self.full = ["Hel", "lo", " wörld"], "length", False
+        self.requests, self.cancelled = [], []
+        self.tokenizer = None  # the target's tokenizer the app encodes with (None: support.byte_level())
+
+    def submit(self, request, sink):
+        if self.full:
+            raise QueueFull("1 requests are waiting (--max-queue 1)")
+        self.requests.append(request)
+
+        def run():
+            for piece in self.pieces:
+                sink(GenerationEvent(request.request_id, piece, (7,)))
+            n = len(self.pieces)
+            sink(GenerationEvent(request.request_id, "", (), self.finish, "boom" if self.finish == "error" else None,
+                                 Usage(request.prompt_tokens, n), SpeculationSummary("slem", 2, 1, 3, 1)))
+
+        threading.Thread(target=run).start()
+
+    def cancel(self, request_id):
+        self.cancelled.append(request_id)
+
+    def stats(self):
+        return EngineStats(0, 0, 64, 60)
+
+
+def client_for(engine, **settings) -> httpx.AsyncClient:
+    app = create_app(engine, ServerSettings(model="tiny", **settings), Metrics(engine))
+    tokenizer = engine.tokenizer or support.byte_level()
+    app.state.prompter = Prompter(tokenizer, {tokenizer.eos_token_id})
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test")
+
+
+async def post(engine, path, body, headers=None, **settings) -> httpx.Response:
+    async with client_for(engine, **settings) as client:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        return await client.post(path, content=content, headers={"content-type": "application/json", **(headers or {})})
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def error_of(response: httpx.Response) -> dict:
+    body = response.json()
+    assert set(body) == {"error"} and {"message", "type", "param", "code"} <= set(body["error"]), body
+    return body["error"]
+
+
+
+def parse_sse(text: str) -> list:
+    assert text.endswith("\n\n")
+    frames = text.split("\n\n")[:-1]
+    assert all(f.startswith("data: ") for f in frames), frames
+    return [f[6:] if f[6:] == "[DONE]" else json.loads(f[6:]) for f in frames]
