@@ -168,7 +168,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
             return JSONResponse(protocol.completion_response(ids, text, ev.finish_reason, ev.usage, ev.speculation,
                                                              token_ids))
         content, calls = tools.parse(text, req.tool_names) if req.offered_tools else (text, [])
-        return JSONResponse(protocol.chat_response(ids, content, _finish(ev.finish_reason, calls), ev.usage,
+        return JSONResponse(protocol.chat_response(ids, content, _finish(ev.finish_reason, bool(calls)), ev.usage,
                                                    ev.speculation, token_ids, calls))
 
     async def _stream(request, req, ids, channel: Channel, chat: bool):
@@ -187,7 +187,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
 
         def last(finish: str, speculation) -> bytes:
             if chat:
-                finish = _finish(finish, [None] * (calls.calls if calls else 0))
+                finish = _finish(finish, bool(calls and calls.calls))
                 return event(protocol.chat_chunk(ids, {}, finish, usage, speculation))
             return event(protocol.completion_chunk(ids, "", finish, usage, speculation))
 
@@ -237,9 +237,9 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
     return app
 
 
-def _finish(reason: str, calls: list) -> str:
+def _finish(reason: str, called: bool) -> str:
     """OpenAI's finish_reason "tool_calls" for an answer that ended by itself after calling tools."""
-    return "tool_calls" if calls and reason == "stop" else reason
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _generation_request(req, prompt, prompter, max_context: int, param: str, arrival: float) -> GenerationRequest:
