@@ -1,9 +1,10 @@
-"""The routes: OpenAI's chat and completions (streamed or not), models, health, metrics, version.
+"""The routes: OpenAI's chat and completions (streamed or not), models, health, metrics, version,
+and vLLM's /tokenize and /detokenize.
 
     app = create_app(engine, ServerSettings(model="qwen"), metrics)
     app.state.prompter = Prompter(tokenizer, stop_ids)   # once the model is loaded
 
-Every request: auth (/v1 only) -> body size -> JSON and field validation -> model name -> the
+Every request: auth (/v1, /tokenize, /detokenize) -> body size -> JSON and field validation -> model name -> the
 prompt rendered in a worker thread -> the context check -> `engine.submit` with a `Channel`.
 A disconnect watcher cancels the request as soon as the client goes, streamed or not.
 """
@@ -95,6 +96,35 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         _authorise(request, settings.api_key)
         return {"object": "list", "data": [{"id": settings.model, "object": "model", "created": int(time.time()),
                                             "owned_by": "hetero-run", "max_model_len": engine.max_context or None}]}
+
+    async def _tokenizer_request(request: Request, kind):
+        _authorise(request, settings.api_key)
+        req = protocol.parse(kind, await _read_body(request, settings.max_body_bytes))
+        if req.model is not None and req.model != settings.model:
+            raise APIError(404, f"the model '{req.model}' does not exist (this server serves '{settings.model}')",
+                           "model", "model_not_found")
+        if app.state.prompter is None:
+            raise unavailable_error()
+        return req, app.state.prompter
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req, prompter = await _tokenizer_request(request, protocol.TokenizeRequest)
+        if (req.prompt is None) == (req.messages is None):
+            raise bad_request("give exactly one of prompt (text) and messages (a conversation)", "prompt")
+        if req.messages is not None:
+            tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
+            conversation = protocol.conversation(req.messages)
+            ids = list((await run_in_threadpool(prompter.chat, conversation, tools)).target_ids)
+        else:
+            ids = await run_in_threadpool(prompter.tokenize, req.prompt, req.add_special_tokens)
+        return {"count": len(ids), "max_model_len": engine.max_context or None, "tokens": ids,
+                "token_strs": prompter.token_strings(ids) if req.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req, prompter = await _tokenizer_request(request, protocol.DetokenizeRequest)
+        return {"prompt": await run_in_threadpool(prompter.detokenize, req.tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

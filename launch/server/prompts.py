@@ -38,16 +38,30 @@ class Prompter:
         messages = None if tooled else tuple(conversation)
         return self._checked(Prompt(messages=messages, target_ids=tuple(ids)), "messages")
 
+    def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        with self._lock:
+            return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def token_strings(self, ids) -> list[str]:
+        return self.tokenizer.convert_ids_to_tokens(list(ids))
+
+    def detokenize(self, ids) -> str:
+        """Ids -> text with the special tokens kept, so /tokenize and /detokenize round-trip."""
+        return self.tokenizer.decode(self.checked_ids(ids, "tokens"), skip_special_tokens=False)
+
+    def checked_ids(self, ids, param: str) -> list[int]:
+        vocab = len(self.tokenizer)
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary ({vocab} tokens)", param)
+        return list(ids)
+
     def completion(self, prompt: str | list[int]) -> Prompt:
         if isinstance(prompt, str):
             with self._lock:
                 ids = encode_text(self.tokenizer, prompt)
             return self._checked(Prompt(text=prompt, target_ids=tuple(ids)), "prompt")
-        vocab = len(self.tokenizer)
-        bad = next((t for t in prompt if t >= vocab), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary ({vocab} tokens)", "prompt")
-        return self._checked(Prompt(target_ids=tuple(prompt)), "prompt")
+        return self._checked(Prompt(target_ids=tuple(self.checked_ids(prompt, "prompt"))), "prompt")
 
     @staticmethod
     def _checked(prompt: Prompt, param: str) -> Prompt:

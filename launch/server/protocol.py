@@ -133,19 +133,24 @@ class Message(BaseModel):
         return out
 
 
+def conversation(messages: list[Message]) -> list[dict]:
+    """Messages as chat templates take them, or a 400 naming the message that cannot be one."""
+    for i, m in enumerate(messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise bad_request("is required (null only for an assistant message with tool_calls)",
+                              f"messages[{i}].content")
+        if m.tool_calls and m.role != "assistant":
+            raise bad_request("only assistant messages carry tool calls", f"messages[{i}].tool_calls")
+    return [m.for_template() for m in messages]
+
+
 class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto"] | None = None
 
     def conversation(self) -> list[dict]:
-        for i, m in enumerate(self.messages):
-            if m.content is None and not (m.role == "assistant" and m.tool_calls):
-                raise bad_request("is required (null only for an assistant message with tool_calls)",
-                                  f"messages[{i}].content")
-            if m.tool_calls and m.role != "assistant":
-                raise bad_request("only assistant messages carry tool calls", f"messages[{i}].tool_calls")
-        return [m.for_template() for m in self.messages]
+        return conversation(self.messages)
 
     @property
     def offered_tools(self) -> list[dict] | None:
@@ -172,8 +177,27 @@ class CompletionRequest(_Request):
         return value[0] if isinstance(value, list) and value and isinstance(value[0], str) else value
 
 
-def parse(kind: type[_Request], body: bytes) -> _Request:
-    """The request body -> a validated request, or an APIError 400 naming the field."""
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: raw text (`prompt`, the tokenizer's special tokens unless
+    add_special_tokens is false) or a conversation (`messages` [+ `tools`], through the chat
+    template with the assistant's turn opened, as /v1/chat/completions encodes it)."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[Message], Field(min_length=1)] | None = None
+    tools: list[Tool] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
+    """The request body -> a validated request (of `kind`), or an APIError 400 naming the field."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

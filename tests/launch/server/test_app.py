@@ -157,6 +157,39 @@ def test_the_api_key_guards_v1_routes(engine, headers, status):
             return [(await client.get(p, headers=headers)).status_code for p in ("/v1/models", "/health")]
 
     assert run(models()) == [status, 200]  # /health stays open for probes
+    response = run(post(engine, "/tokenize", {"prompt": "hi"}, headers, api_key="s3cret"))
+    assert response.status_code == status
+
+
+def test_tokenize_gives_the_ids_the_completions_run_and_detokenize_reverses_it(engine):
+    tokenizer = support.byte_level()
+    got = run(post(engine, "/tokenize", {"prompt": "hello there", "return_token_strs": True})).json()
+    ids = tokenizer("hello there")["input_ids"]
+    assert got == {"count": len(ids), "max_model_len": 64, "tokens": ids,
+                   "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    assert run(post(engine, "/tokenize", {"prompt": "hello", "add_special_tokens": False})).json()["tokens"] == \
+        tokenizer("hello", add_special_tokens=False)["input_ids"]
+    chat = run(post(engine, "/tokenize", {"messages": CHAT["messages"]})).json()
+    assert run(post(engine, "/v1/chat/completions", CHAT)).status_code == 200
+    assert chat["tokens"] == list(engine.requests[0].prompt.target_ids) and chat["token_strs"] is None
+    back = run(post(engine, "/detokenize", {"tokens": chat["tokens"]})).json()
+    assert back == {"prompt": "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"}
+
+
+@pytest.mark.parametrize("path, body, param, words", [
+    ("/tokenize", {}, "prompt", "exactly one of"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt", "exactly one of"),
+    ("/tokenize", {"prompt": 5}, "prompt", "valid string"),
+    ("/tokenize", {"messages": [{"role": "user"}]}, "messages[0].content", "is required"),
+    ("/detokenize", {"tokens": [1, 99999]}, "tokens", "outside the vocabulary"),
+    ("/detokenize", {"tokens": [-1]}, "tokens[0]", "greater than or equal to 0"),
+    ("/detokenize", {}, "tokens", "is required"),
+])
+def test_bad_tokenizer_requests_name_the_field(engine, path, body, param, words):
+    response = run(post(engine, path, body))
+    assert response.status_code == 400
+    error = error_of(response)
+    assert error["param"] == param and words in error["message"], error
 
 
 def test_a_body_over_the_limit_is_413(engine):
