@@ -4,8 +4,9 @@ and vLLM's /tokenize and /detokenize.
     app = create_app(engine, ServerSettings(model="qwen"), metrics)
     app.state.prompter = Prompter(tokenizer, stop_ids)   # once the model is loaded
 
-Every request: auth (/v1, /tokenize, /detokenize) -> body size -> JSON and field validation -> model name -> the
-prompt rendered in a worker thread -> the context check -> `engine.submit` with a `Channel`.
+Every request: auth (/v1, /tokenize, /detokenize) -> body size -> JSON and field validation ->
+model name -> the prompt rendered in a worker thread -> the context check -> `engine.submit` with
+a `Channel`.
 A disconnect watcher cancels the request as soon as the client goes, streamed or not.
 """
 
@@ -100,9 +101,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
     async def _tokenizer_request(request: Request, kind):
         _authorise(request, settings.api_key)
         req = protocol.parse(kind, await _read_body(request, settings.max_body_bytes))
-        if req.model is not None and req.model != settings.model:
-            raise APIError(404, f"the model '{req.model}' does not exist (this server serves '{settings.model}')",
-                           "model", "model_not_found")
+        _check_model(req.model, settings.model)
         if app.state.prompter is None:
             raise unavailable_error()
         return req, app.state.prompter
@@ -140,9 +139,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         body = await _read_body(request, settings.max_body_bytes)
         try:
             req = protocol.parse(kind, body)
-            if req.model is not None and req.model != settings.model:
-                raise APIError(404, f"the model '{req.model}' does not exist (this server serves '{settings.model}')",
-                               "model", "model_not_found")
+            _check_model(req.model, settings.model)
             if engine.state is not EngineState.READY or app.state.prompter is None:
                 raise unavailable_error()
             prompter = app.state.prompter
@@ -265,6 +262,12 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
                      text)
 
     return app
+
+
+def _check_model(asked: str | None, served: str) -> None:
+    if asked is not None and asked != served:
+        raise APIError(404, f"the model '{asked}' does not exist (this server serves '{served}')", "model",
+                       "model_not_found")
 
 
 def _finish(reason: str, called: bool) -> str:

@@ -209,7 +209,7 @@ def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
     if data.get("top_logprobs") or data.get("logprobs"):
         raise bad_request("log probabilities are not supported", "logprobs")
     for field, neutral, why in _NOT_HONOURED:
-        if field in data and data[field] is not None and not neutral(data[field], data):
+        if field in data and data[field] is not None and not neutral(data[field]):
             raise bad_request(why, field)
     try:
         return kind.model_validate(data)
@@ -219,14 +219,14 @@ def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
 
 # (field, whether its value asks for nothing, the 400's message)
 _NOT_HONOURED = (
-    ("tool_choice", lambda v, d: v in ("none", "auto"),
+    ("tool_choice", lambda v: v in ("none", "auto"),
      'only "auto" and "none" are supported: a forced call needs constrained decoding'),
-    ("response_format", lambda v, d: v == {"type": "text"},
+    ("response_format", lambda v: v == {"type": "text"},
      'only {"type": "text"} is supported: no JSON mode or schema-constrained decoding'),
-    ("presence_penalty", lambda v, d: v == 0, "sampling penalties are not supported (0 only)"),
-    ("frequency_penalty", lambda v, d: v == 0, "sampling penalties are not supported (0 only)"),
-    ("repetition_penalty", lambda v, d: v == 1, "repetition_penalty is not supported (1 only)"),
-    ("logit_bias", lambda v, d: v == {}, "logit_bias is not supported"),
+    ("presence_penalty", lambda v: v == 0, "sampling penalties are not supported (0 only)"),
+    ("frequency_penalty", lambda v: v == 0, "sampling penalties are not supported (0 only)"),
+    ("repetition_penalty", lambda v: v == 1, "repetition_penalty is not supported (1 only)"),
+    ("logit_bias", lambda v: v == {}, "logit_bias is not supported"),
 )
 
 
