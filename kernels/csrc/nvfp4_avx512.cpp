@@ -18,9 +18,10 @@
 // per call to the weights' order (elem() below), zero beyond in. Float32 x uses the same
 // weights widened exactly (a bf16 is the top half of its float32), two FMAs per vector.
 //
-// The products are blocked: R weight rows (1, 2 or 4) meet N rows of x (1..5) at once, each
-// weight vector decoded once for the N rows and each x vector loaded once for the R rows, R x N
-// chains of dot products in flight (nvfp4_rows() says which R for which rows). Every pair
+// The products are blocked: R weight rows (1, 2 or 4) meet N rows of x (1..5 on AMD, 1..8 on
+// Intel) at once, each weight vector decoded once for the N rows and each x vector loaded once
+// for the R rows, R x N chains of dot products in flight (nvfp4_rows() says which R for which
+// rows). Every pair
 // performs the same operations in the same order whatever R and N are, so rows are
 // batch-invariant.
 #include <utility>
@@ -291,7 +292,13 @@ HR_AVX512BF16 void block(const Consts& k, const Groups& L, const BlockArgs<M>& a
     for (int i = 0; i < N; ++i) y[i * out + q] = res[q * N + i] * row_scale[q];
 }
 
-constexpr int kMaxN = 5;  // rows of x per block: R x N accumulators and chains stay in registers
+// Rows of x per block, at most: on AMD 5, so that R x N accumulators and chains stay in
+// registers; on Intel 8 (R = 2: 32 accumulators and chains, some in L1), whose vdpbf16ps issues
+// one every 2.3 cycles and whose permutes share its ports, so a weight vector decoded once for
+// 8 rows instead of twice for 4 saves more than the spills cost (6-16 rows of the target's
+// shapes: 0.87-0.94x the time, docs/nvfp4.md). The bits are the same either way.
+constexpr int kMaxN = 8;
+inline int max_rows_per_piece() { return amd_cpu() ? 5 : kMaxN; }
 
 template <typename M, int R>
 void block_n(int n, const Consts& k, const Groups& L, const BlockArgs<M>& a, const float* row_scale, float* y,
@@ -301,16 +308,19 @@ void block_n(int n, const Consts& k, const Groups& L, const BlockArgs<M>& a, con
     case 2: block<M, R, 2>(k, L, a, row_scale, y, out); break;
     case 3: block<M, R, 3>(k, L, a, row_scale, y, out); break;
     case 4: block<M, R, 4>(k, L, a, row_scale, y, out); break;
-    default: block<M, R, 5>(k, L, a, row_scale, y, out); break;
+    case 5: block<M, R, 5>(k, L, a, row_scale, y, out); break;
+    case 6: block<M, R, 6>(k, L, a, row_scale, y, out); break;
+    case 7: block<M, R, 7>(k, L, a, row_scale, y, out); break;
+    default: block<M, R, kMaxN>(k, L, a, row_scale, y, out); break;
   }
 }
 
 // Every (weight row, x row) pair runs block()'s operations in block()'s order, whatever the
 // blocking: each row of y has the bits of the same row computed alone, for any n.
 //
-// Blocking (measured on a 2-core Zen 4, both cores streaming): rows of x are split into pieces of
-// at most kMaxN, as even as possible (9 rows: 5 + 4), and each piece meets the weights R rows at a
-// time, each vector of x loaded once for the R rows. Short weight rows (four rows' codes within
+// Blocking (measured on a 2-core Zen 4, both cores streaming; pieces of 8 on Intel, above): rows
+// of x are split into pieces of at most max_rows_per_piece(), as even as possible (9 rows: 5 + 4),
+// and each piece meets the weights R rows at a time, each vector of x loaded once for the R rows. Short weight rows (four rows' codes within
 // kNearBytes) take R = 4 for one row of x and R = 2 for more: four short rows side by side still
 // read as one stream, and four chains of dot products are in flight. Long rows read
 // side by side stream slower, so one or two rows of x take one weight row at a time (a single
@@ -330,6 +340,7 @@ void nvfp4_rows(const typename M::X* xp, int64_t n, const Groups& L, const uint8
   const int64_t in = L.in, half = in / 2, nb = in / kGroup;
   const int64_t grain = std::max<int64_t>(4, grain_rows(half + nb) / 4 * 4);
   const int64_t pass = x_rows_per_pass(L.kp * static_cast<int64_t>(sizeof(typename M::X)));
+  const int64_t most = max_rows_per_piece();
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
     const Consts k;
     // the first kAheadBytes of the range, which the prefetches in the group loop run ahead of
@@ -339,7 +350,7 @@ void nvfp4_rows(const typename M::X* xp, int64_t n, const Groups& L, const uint8
       _mm_prefetch(reinterpret_cast<const char*>(scales + r0 * nb + b), _MM_HINT_T0);
     for (int64_t p0 = 0; p0 < n; p0 += pass) {
       const int64_t m = std::min(pass, n - p0);
-      const int64_t pieces = (m + kMaxN - 1) / kMaxN;
+      const int64_t pieces = (m + most - 1) / most;
       const int want = rows_per_block(half, m);
       for (int64_t r = r0; r < r1; r += 4) {
         const int64_t here = std::min<int64_t>(4, r1 - r);
