@@ -12,9 +12,12 @@ rank's peak memory, then sends SIGTERM to rank 0 and waits until every process h
 `adaptive` (`--drafter D --algorithm auto`), fed the same prompts in the same order.
 The servers are up together and take turns level by level (the order alternating from one
 level to the next), so the two figures of a level are measured about a minute apart, not a
-whole run apart: this host's speed drifts by 10-25% within minutes. An idle server takes
-under 1% of a core. `--one-at-a-time` runs each configuration's levels in turn with only its
-server up (a target that fits in memory once).
+whole run apart: this host's speed drifts by 10-25% within minutes. `--rounds N` splits each
+level into N rounds of --duration / N seconds with the turns taken round by round, so drift
+within a level falls on both configurations alike; a level's figures are over all its rounds
+(and each round's aggregate is listed). An idle server takes under 1% of a core.
+`--one-at-a-time` runs each configuration's levels in turn with only its server up (a target
+that fits in memory once).
 
 Per level each client sends chat requests one after another (bench/prompts/speculative.jsonl,
 round robin) until --duration has passed or --max-requests were sent; a request started
@@ -142,26 +145,38 @@ def in_window(r: dict, start: float, end: float) -> float:
     return count
 
 
-async def run_level(args, url: str, concurrency: int, prompts: list[str]) -> dict:
+async def run_part(args, url: str, concurrency: int, prompts: list[str], duration: float, max_requests: int,
+                   first: int = 0) -> dict:
+    """`concurrency` clients send requests for `duration` seconds (at most `max_requests`); prompts
+    round robin from the `first`-th on -> the raw results and the window."""
     results: list[dict] = []
-    end = time.perf_counter() + args.duration
+    end = time.perf_counter() + duration
     async with _client(args, concurrency) as client:
         async def worker():
-            while time.perf_counter() < end and len(results) < args.max_requests:
+            while time.perf_counter() < end and len(results) < max_requests:
                 i = len(results)
-                results.append({})  # takes its place in --max-requests before it is sent
-                messages = [{"role": "user", "content": prompts[i % len(prompts)]}]
+                results.append({})  # takes its place in max_requests before it is sent
+                messages = [{"role": "user", "content": prompts[(first + i) % len(prompts)]}]
                 results[i] = await one_request(client, url, messages, args, args.max_tokens)
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - start
+    return {"results": results, "start": start, "end": end, "wall": wall}
+
+
+def summarise(concurrency: int, parts: list[dict]) -> dict:
+    """One level's figures over its parts (one per round): counts and tokens summed, rates over the
+    parts' summed wall time and windows, percentiles over every request."""
+    results = [r for p in parts for r in p["results"]]
     done = [r for r in results if r["outcome"] == "completed"]
-    window = sum(in_window(r, start, end) for r in done)
+    window = sum(in_window(r, p["start"], p["end"]) for p in parts for r in p["results"] if r["outcome"] == "completed")
+    span = sum(p["end"] - p["start"] for p in parts)
+    wall = sum(p["wall"] for p in parts)
     per_request = [(r["tokens"] - 1) / (r["seconds"] - r["ttft"]) for r in done
                    if r["tokens"] > 1 and r["ttft"] is not None and r["seconds"] > r["ttft"]]
     tokens = sum(r["tokens"] for r in done)
-    return {"concurrency": concurrency, "sent": len(results), "completed": len(done),
+    return {"concurrency": concurrency, "rounds": len(parts), "sent": len(results), "completed": len(done),
             "failed": sum(r["outcome"] == "error" for r in results),
             "lost": sum(r["outcome"] == "lost" for r in results),
             "ttft_p50_s": pct([r["ttft"] for r in done if r["ttft"] is not None], 0.5),
@@ -170,7 +185,9 @@ async def run_level(args, url: str, concurrency: int, prompts: list[str]) -> dic
             "per_request_tok_s_p50": pct(per_request, 0.5),
             "output_tokens": tokens, "wall_s": round(wall, 2),
             "tokens_per_second": round(tokens / wall, 2) if wall > 0 else 0.0,
-            "window_tokens_per_second": round(window / (end - start), 2),
+            "window_tokens_per_second": round(window / span, 2) if span > 0 else 0.0,
+            "rounds_tokens_per_second": [round(sum(r["tokens"] for r in p["results"] if r["outcome"] == "completed")
+                                               / p["wall"], 2) if p["wall"] > 0 else 0.0 for p in parts],
             "mean_tokens_per_request": round(statistics.mean(r["tokens"] for r in done), 1) if done else 0,
             "errors": sorted({r.get("error", "") for r in results if r["outcome"] != "completed"})[:5]}
 
@@ -186,8 +203,8 @@ def scrape(url: str) -> dict[str, float]:
     return {name: values.get(name, 0.0) for name in SPEC_COUNTERS}
 
 
-def speculation(before: dict, after: dict) -> dict:
-    d = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+def speculation(d: dict) -> dict:
+    """The speculation figures of counter increments `d` (SPEC_COUNTERS)."""
     drafts, drafted, accepted = (d["spec_decode_num_drafts_total"], d["spec_decode_num_draft_tokens_total"],
                                  d["spec_decode_num_accepted_tokens_total"])
     return {"drafts": int(drafts), "draft_tokens": int(drafted), "accepted_tokens": int(accepted),
@@ -273,8 +290,13 @@ def _with_servers(args, names: list[str], prompts: list[str]) -> dict:
         for name in ready:
             out[name]["levels"] = []
         for i, level in enumerate(args.levels):
-            for name in (ready if i % 2 == 0 else ready[::-1]):
-                out[name]["levels"].append(measure_level(args, servers[name].url, level, prompts, name))
+            parts: dict[str, list] = {name: [] for name in ready}
+            for r in range(args.rounds):  # the order alternating from one round (and level) to the next
+                for name in (ready if (i + r) % 2 == 0 else ready[::-1]):
+                    sent = sum(len(p["results"]) for p in parts[name])
+                    parts[name].append(measure_part(args, servers[name].url, level, prompts, sent))
+            for name in ready:
+                out[name]["levels"].append(report_level(args, level, parts[name], name))
         for name in ready:
             out[name]["second_turn"] = measure_turns(args, servers[name].url, name)
             peak, plan = servers[name].peak_memory(), plans[name]
@@ -313,11 +335,21 @@ def prepare(args, url: str, prompts: list[str]) -> None:
         asyncio.run(_warm(args, url, prompts[i % len(prompts)]))
 
 
-def measure_level(args, url: str, level: int, prompts: list[str], name: str = "") -> dict:
-    """One level on one server, printed as it ends (JSON with --json)."""
+def measure_part(args, url: str, level: int, prompts: list[str], first: int = 0) -> dict:
+    """One round of a level on one server (--duration / --rounds seconds), with the server's
+    speculation counters over it."""
     before = scrape(url)
-    report = asyncio.run(run_level(args, url, level, prompts))
-    report["speculation"] = speculation(before, scrape(url))
+    part = asyncio.run(run_part(args, url, level, prompts, args.duration / args.rounds,
+                                -(-args.max_requests // args.rounds), first))
+    after = scrape(url)
+    part["counters"] = {name: after[name] - before[name] for name in SPEC_COUNTERS}
+    return part
+
+
+def report_level(args, level: int, parts: list[dict], name: str = "") -> dict:
+    """A level's figures over its rounds, printed (JSON with --json)."""
+    report = summarise(level, parts)
+    report["speculation"] = speculation({k: sum(p["counters"][k] for p in parts) for k in SPEC_COUNTERS})
     if args.json:
         print(json.dumps(report), flush=True)
         return report
@@ -325,6 +357,14 @@ def measure_level(args, url: str, level: int, prompts: list[str], name: str = ""
     for error in report["errors"]:
         print(f"      {error}", flush=True)
     return report
+
+
+def measure_level(args, url: str, level: int, prompts: list[str], name: str = "") -> dict:
+    """Every round of one level on one server."""
+    parts: list[dict] = []
+    for _ in range(args.rounds):
+        parts.append(measure_part(args, url, level, prompts, sum(len(p["results"]) for p in parts)))
+    return report_level(args, level, parts, name)
 
 
 def measure_turns(args, url: str, name: str = "") -> dict | None:
@@ -353,11 +393,12 @@ async def _warm(args, url: str, prompt: str) -> None:
 def level_line(r: dict) -> str:
     spec = r.get("speculation") or {}
     accept = f"; acceptance {spec['acceptance']:.2f}" if spec.get("acceptance") is not None else ""
+    rounds = f"; rounds {', '.join(map(str, r['rounds_tokens_per_second']))} tok/s" if r.get("rounds", 1) > 1 else ""
     return (f"concurrency {r['concurrency']}: {r['completed']}/{r['sent']} completed, {r['failed']} failed, "
             f"{r['lost']} lost; {r['tokens_per_second']} tok/s aggregate ({r['output_tokens']} tokens in "
             f"{r['wall_s']} s), {r['window_tokens_per_second']} tok/s in the window, "
             f"{r['per_request_tok_s_p50']} tok/s per request p50; TTFT p50 {r['ttft_p50_s']} s, "
-            f"p99 {r['ttft_p99_s']} s; e2e p50 {r['e2e_p50_s']} s{accept}")
+            f"p99 {r['ttft_p99_s']} s; e2e p50 {r['e2e_p50_s']} s{accept}{rounds}")
 
 
 # -- the summary --------------------------------------------------------------------------------------
@@ -476,6 +517,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated levels (default 1,2,4,8,16)")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds per level in which requests start")
     parser.add_argument("--max-requests", type=int, default=1000, help="per level, at most")
+    parser.add_argument("--rounds", type=int, default=1, help="split each level into this many rounds of "
+                        "--duration / N s; with --launch the configurations take turns round by round")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--request-timeout", type=float, default=300.0)
@@ -488,6 +531,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--png", type=Path, help="write the chart (aggregate tok/s and TTFT p50 vs clients)")
     args = parser.parse_args(argv)
     args.levels = [int(x) for x in args.concurrency.split(",")]
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     if args.launch:
         names = (args.configs or ("off,adaptive" if args.drafter else "off")).split(",")
         if any(n != OFF for n in names) and not args.drafter:

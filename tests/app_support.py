@@ -22,6 +22,7 @@ from hetero_run.runtime.engine.api import (
     GenerationEvent,
     QueueFull,
     SpeculationSummary,
+    TokenLogprob,
     Usage,
 )
 
@@ -36,6 +37,7 @@ class ScriptedEngine:
         self.pieces, self.finish, self.full = ["Hel", "lo", " wörld"], "length", False
         self.requests, self.cancelled = [], []
         self.tokenizer = None  # the target's tokenizer the app encodes with (None: support.byte_level())
+        self.token_ids = None  # each piece's token id (None: 7 for every piece)
 
     def submit(self, request, sink):
         if self.full:
@@ -43,13 +45,25 @@ class ScriptedEngine:
         self.requests.append(request)
 
         def run():
-            for piece in self.pieces:
-                sink(GenerationEvent(request.request_id, piece, (7,)))
+            offset = 0
+            for j, piece in enumerate(self.pieces):
+                token = self.token_ids[j] if self.token_ids else 7
+                sink(GenerationEvent(request.request_id, piece, (token,), logprobs=self.logprobs(request, j, offset)))
+                offset += len(piece)
             n = len(self.pieces)
             sink(GenerationEvent(request.request_id, "", (), self.finish, "boom" if self.finish == "error" else None,
                                  Usage(request.prompt_tokens, n), SpeculationSummary("slem", 2, 1, 3, 1)))
 
         threading.Thread(target=run).start()
+
+    def logprobs(self, request, j: int, offset: int) -> tuple:
+        """With request.logprobs: piece j's token at log-probability -(j + 1) / 4, its top k the token
+        itself, then ids 100, 101, ... each a unit less likely."""
+        if request.logprobs is None:
+            return ()
+        token, lp = self.token_ids[j] if self.token_ids else 7, -(j + 1) / 4
+        top = ((token, lp), *((100 + d, lp - 1 - d) for d in range(request.logprobs - 1)))[:request.logprobs]
+        return (TokenLogprob(token, lp, top, offset),)
 
     def cancel(self, request_id):
         self.cancelled.append(request_id)

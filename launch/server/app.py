@@ -16,7 +16,7 @@ import asyncio
 import hmac
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from fastapi import FastAPI, Request
@@ -146,14 +146,15 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
             render = partial(prompter.chat, req.conversation(), req.offered_tools) if chat else \
                 partial(prompter.completion, req.prompt)
             prompt = await run_in_threadpool(render)
+            if req.wanted_logprobs is not None:
+                await run_in_threadpool(prompter.piece, 0)  # the token table, built once, off the event loop
             generation = _generation_request(req, prompt, prompter, engine.max_context,
                                              "messages" if chat else "prompt", arrival)
         except APIError as exc:
             metrics.rejected.labels("invalid" if exc.status < 500 else "unavailable").inc()
             raise
         ids = protocol.ResponseIds("chatcmpl" if chat else "cmpl", settings.model)
-        generation = GenerationRequest(ids.id, generation.prompt, generation.max_new_tokens, generation.sampling,
-                                       generation.stop_ids, generation.stop_strings, arrival)
+        generation = replace(generation, request_id=ids.id)
         channel = Channel(mailbox(), metrics.timer(arrival).observe)
         channel.prompt_ids = generation.prompt.target_ids
         try:
@@ -173,12 +174,13 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
     async def _complete(request, req, ids, channel: Channel, chat: bool):
         app.state.open_requests += 1
         watcher = asyncio.create_task(_watch_disconnect(request, lambda: engine.cancel(ids.id)))
-        texts, tokens = [], []
+        texts, tokens, entries = [], [], []
         try:
             while True:
                 ev = await channel.next()
                 texts.append(ev.text)
                 tokens += ev.token_ids
+                entries += ev.logprobs
                 if ev.final:
                     break
         finally:
@@ -191,12 +193,17 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
             raise _final_error(ev)
         token_ids = (channel.prompt_ids, tokens) if req.return_token_ids else None
         text = "".join(texts)
+        logprobs = None if req.wanted_logprobs is None else _logprobs(entries, chat)
         if not chat:
             return JSONResponse(protocol.completion_response(ids, text, ev.finish_reason, ev.usage, ev.speculation,
-                                                             token_ids))
+                                                             token_ids, logprobs))
         content, calls = tools.parse(text, req.tool_names) if req.offered_tools else (text, [])
         return JSONResponse(protocol.chat_response(ids, content, _finish(ev.finish_reason, bool(calls)), ev.usage,
-                                                   ev.speculation, token_ids, calls))
+                                                   ev.speculation, token_ids, calls, logprobs))
+
+    def _logprobs(entries, chat: bool) -> dict:
+        format_ = protocol.chat_logprobs if chat else protocol.completion_logprobs
+        return format_(entries, app.state.prompter.piece)
 
     async def _stream(request, req, ids, channel: Channel, chat: bool):
         usage = req.include_usage
@@ -204,13 +211,19 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
 
         calls = tools.CallStream(req.tool_names) if chat and req.offered_tools else None
 
-        def chunks(text: str, final: bool = False) -> list[bytes]:
+        def chunks(text: str, entries=(), final: bool = False) -> list[bytes]:
+            """The frames of an event's text; its tokens' log-probabilities ride on the first."""
+            logprobs = _logprobs(entries, chat) if entries and req.wanted_logprobs is not None else None
             if not chat:
-                return [event(protocol.completion_chunk(ids, text, None, usage))] if text else []
+                return [event(protocol.completion_chunk(ids, text, None, usage, logprobs=logprobs))] \
+                    if text or logprobs else []
             deltas = [{"content": text}] if calls is None and text else []
             if calls is not None:
                 deltas = calls.feed(text) + (calls.finish() if final else [])
-            return [event(protocol.chat_chunk(ids, delta, None, usage)) for delta in deltas]
+            if logprobs and not deltas:
+                deltas = [{}]
+            return [event(protocol.chat_chunk(ids, delta, None, usage, logprobs=logprobs if j == 0 else None))
+                    for j, delta in enumerate(deltas)]
 
         def last(finish: str, speculation) -> bytes:
             if chat:
@@ -230,11 +243,11 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
                     texts.append(ev.text)
                     if ev.final:
                         break
-                    for frame in chunks(ev.text):
+                    for frame in chunks(ev.text, ev.logprobs):
                         yield frame
                 _log_output(ids, ev, "".join(texts))
                 if ev.finish_reason in ("stop", "length"):
-                    for frame in chunks(ev.text, final=True):
+                    for frame in chunks(ev.text, ev.logprobs, final=True):
                         yield frame
                     yield last(ev.finish_reason, ev.speculation)
                     if usage:
@@ -291,7 +304,7 @@ def _generation_request(req, prompt, prompter, max_context: int, param: str, arr
     except Exception as exc:
         raise bad_request(str(exc)) from None
     stop_ids = frozenset() if req.ignore_eos else prompter.stop_ids
-    return GenerationRequest("", prompt, new, sampling, stop_ids, req.stop_strings, arrival)
+    return GenerationRequest("", prompt, new, sampling, stop_ids, req.stop_strings, arrival, req.wanted_logprobs)
 
 
 def _authorise(request: Request, key: str | None) -> None:

@@ -9,6 +9,7 @@ import threading
 from hetero_run.launch.generate import encode_chat, encode_text
 from hetero_run.launch.server.errors import bad_request
 from hetero_run.runtime.speculative.prompt import Prompt
+from hetero_run.runtime.speculative.vocab import TokenTable
 
 
 class Prompter:
@@ -17,6 +18,7 @@ class Prompter:
         self.stop_ids = frozenset(stop_ids)
         # a fast tokenizer may reconfigure itself inside __call__; encodes from many worker threads take turns
         self._lock = threading.Lock()
+        self._table: TokenTable | None = None  # built at the first request for log probabilities
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
@@ -41,6 +43,21 @@ class Prompter:
     def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
         with self._lock:
             return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def piece(self, token_id: int) -> tuple[str, bytes]:
+        """A token's text and its exact bytes (a token that ends inside a character has bytes that
+        are not UTF-8 on their own; its text shows U+FFFD there); a special token is its content;
+        an id past the tokenizer (a padded vocabulary row) is empty. For log probabilities."""
+        if self._table is None:
+            with self._lock:
+                if self._table is None:
+                    self._table = TokenTable.from_tokenizer(self.tokenizer)
+        if token_id >= len(self._table):
+            return "", b""
+        raw = self._table.pieces[token_id]
+        if raw is None:  # special
+            raw = self.tokenizer.convert_ids_to_tokens(token_id).encode("utf-8")
+        return raw.decode("utf-8", "replace"), raw
 
     def token_strings(self, ids) -> list[str]:
         return self.tokenizer.convert_ids_to_tokens(list(ids))

@@ -3,7 +3,7 @@
 A request that fails validation is a 400 naming the field (`messages[1].role: Input should be
 'system', 'user' or 'assistant'`). Types are strict, as OpenAI's are: "5" is not a number.
 Fields a server does not know are ignored (clients send extras); fields hetero-run knows but
-cannot honour (n > 1, logprobs, echo; a tool_choice that forces a call, a response format other
+cannot honour (n > 1, echo; a tool_choice that forces a call, a response format other
 than text, sampling penalties and logit biases) are a 400 naming them, as vLLM and llama-server
 refuse what they are not set up for: an answer that quietly ignored them would not be what was
 asked. The neutral values clients send by default (penalties of 0, an empty logit_bias,
@@ -13,6 +13,11 @@ Tools: `tools` with `tool_choice` "auto" (the default) reach the chat template, 
 calls come back as `tool_calls` (tools.py); "none" leaves them out of the prompt. A conversation
 may carry earlier calls (an assistant message's `tool_calls`, its content null) and their results
 (`role: "tool"` messages).
+
+Log probabilities: chat `logprobs: true` (+ `top_logprobs` 0..20), completions `logprobs` 0..20,
+as OpenAI shapes them (`chat_logprobs`, `completion_logprobs`). They are the target's raw
+log-probabilities (log-softmax of its logits, before temperature, top-k and top-p: vLLM's
+default), computed on the rows that decided each token, so speculation changes none of them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from hetero_run.launch.server.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 class StreamOptions(BaseModel):
@@ -148,6 +154,13 @@ class ChatRequest(_Request):
     messages: Annotated[list[Message], Field(min_length=1)]
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto"] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @property
+    def wanted_logprobs(self) -> int | None:
+        """None: no log-probabilities; k: each token's and the k likeliest."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def conversation(self) -> list[dict]:
         return conversation(self.messages)
@@ -168,8 +181,12 @@ class CompletionRequest(_Request):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
         list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     echo: Literal[False] = False
-    logprobs: None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Literal[1] | None = None
+
+    @property
+    def wanted_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -204,10 +221,10 @@ def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
         raise bad_request(f"the body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
-    if isinstance(data.get("logprobs"), bool) and not data["logprobs"]:
-        data.pop("logprobs")  # chat clients send logprobs: false
-    if data.get("top_logprobs") or data.get("logprobs"):
-        raise bad_request("log probabilities are not supported", "logprobs")
+    if kind is not ChatRequest and data.get("logprobs") is False:
+        data.pop("logprobs")  # clients send logprobs: false to any route
+    if kind is ChatRequest and data.get("top_logprobs") is not None and data.get("logprobs") is not True:
+        raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
     for field, neutral, why in _NOT_HONOURED:
         if field in data and data[field] is not None and not neutral(data[field]):
             raise bad_request(why, field)
@@ -279,17 +296,18 @@ class ResponseIds:
 
 
 def chat_response(ids: ResponseIds, text: str | None, finish_reason: str, usage, speculation, token_ids=None,
-                  tool_calls: list[dict] | None = None) -> dict:
+                  tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:
     message = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return _with_ids({**ids.head("chat.completion"), "choices": [choice], "usage": Usage.of(usage).model_dump(),
                       "speculation": _speculation(speculation)}, token_ids)
 
 
-def completion_response(ids: ResponseIds, text: str, finish_reason: str, usage, speculation, token_ids=None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_response(ids: ResponseIds, text: str, finish_reason: str, usage, speculation, token_ids=None,
+                        logprobs: dict | None = None) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return _with_ids({**ids.head("text_completion"), "choices": [choice], "usage": Usage.of(usage).model_dump(),
                       "speculation": _speculation(speculation)}, token_ids)
 
@@ -303,17 +321,49 @@ def _with_ids(body: dict, token_ids) -> dict:
 
 
 def chat_chunk(ids: ResponseIds, delta: dict, finish_reason: str | None = None, include_usage: bool = False,
-               speculation=None) -> dict:
+               speculation=None, logprobs: dict | None = None) -> dict:
     chunk = {**ids.head("chat.completion.chunk"),
-             "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     return _chunk_extras(chunk, include_usage, speculation)
 
 
 def completion_chunk(ids: ResponseIds, text: str, finish_reason: str | None = None, include_usage: bool = False,
-                     speculation=None) -> dict:
+                     speculation=None, logprobs: dict | None = None) -> dict:
     chunk = {**ids.head("text_completion"),
-             "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     return _chunk_extras(chunk, include_usage, speculation)
+
+
+# OpenAI's JSON has no -inf: a token the target gives no chance at all reads this, as in vLLM
+LOGPROB_FLOOR = -9999.0
+
+
+def _lp(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)
+
+
+def chat_logprobs(entries, piece) -> dict:
+    """Chat `choices[].logprobs` of TokenLogprob `entries`: per token its text, log-probability,
+    bytes and the likeliest tokens there. `piece(id) -> (text, bytes)`."""
+    def one(token_id: int, logprob: float) -> dict:
+        text, raw = piece(token_id)
+        return {"token": text, "logprob": _lp(logprob), "bytes": list(raw)}
+
+    return {"content": [{**one(e.token_id, e.logprob), "top_logprobs": [one(i, lp) for i, lp in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_logprobs(entries, piece) -> dict:
+    """Completions `choices[].logprobs` (the legacy shape): tokens, their log-probabilities, per
+    token the likeliest tokens and the token itself as {text: log-probability}, and where each
+    token's text starts in the output text."""
+    tops = []
+    for e in entries:
+        top = {piece(i)[0]: _lp(lp) for i, lp in e.top}
+        top.setdefault(piece(e.token_id)[0], _lp(e.logprob))
+        tops.append(top)
+    return {"tokens": [piece(e.token_id)[0] for e in entries], "token_logprobs": [_lp(e.logprob) for e in entries],
+            "top_logprobs": tops, "text_offset": [e.offset for e in entries]}
 
 
 def usage_chunk(ids: ResponseIds, obj: str, usage) -> dict:

@@ -40,6 +40,7 @@ class GenerationRequest:
     stop_ids: frozenset[int] = frozenset()  # end-of-sequence tokens: generation ends after one, its text not shown
     stop_strings: tuple[str, ...] = ()  # generation ends at the first match; the text is cut just before it
     arrival: float = field(default_factory=time.monotonic)
+    logprobs: int | None = None  # None: none; k >= 0: each output token's log-probability and the k likeliest
 
     @property
     def prompt_tokens(self) -> int:
@@ -74,6 +75,19 @@ class SpeculationSummary:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """An output token's log-probability under the target's own distribution at its position (the
+    log-softmax of its logits, before temperature, top-k and top-p: vLLM's default), the `top`
+    likeliest tokens there as (id, log-probability), likeliest first, and where the token's text
+    starts in the request's output text (characters)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    offset: int = 0
+
+
+@dataclass(frozen=True)
 class GenerationEvent:
     request_id: str
     text: str = ""  # new text since the last event: whole characters, nothing from a stop string on
@@ -82,6 +96,9 @@ class GenerationEvent:
     error: str | None = None  # with finish_reason "error": what went wrong, for the client
     usage: Usage | None = None  # on the final event
     speculation: SpeculationSummary | None = None  # on the final event
+    # with request.logprobs: the tokens whose text this event released (a token whose characters
+    # are all held back comes with a later event; the tokens of a stop string never come)
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def final(self) -> bool:

@@ -17,11 +17,18 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from hetero_run.runtime.engine.api import GenerationEvent, GenerationRequest, Sink, SpeculationSummary, Usage
+from hetero_run.runtime.engine.api import (
+    GenerationEvent,
+    GenerationRequest,
+    Sink,
+    SpeculationSummary,
+    TokenLogprob,
+    Usage,
+)
 from hetero_run.runtime.engine.blocks import BlockManager
 from hetero_run.runtime.engine.output import OutputText
 from hetero_run.runtime.engine.scheduler import Scheduled, Scheduler
@@ -208,8 +215,10 @@ class LLMEngine:
             seq.rounds += 1
             if r is None:  # the prompt's last row: the first token
                 new, kept = self.speculation.first(seq, rows), 1
+                picked = [0]
             else:
                 verdict, new = self.speculation.verify(seq, r, rows, shares[i])
+                picked = verdict.rows  # the row whose logits gave each emitted token
                 kept = len(verdict.rows)
                 draft_rows.append(r.plan.k)
                 kept_tokens.append(kept)
@@ -225,7 +234,8 @@ class LLMEngine:
             self.blocks.commit(seq.table, seq.token_ids, seq.computed)
             if seq.first_token_at is None:
                 seq.first_token_at = now
-            self._emit(seq, new)
+            top = seq.request.logprobs
+            self._emit(seq, new, None if top is None else token_logprobs(rows, picked[:len(new)], new, top))
         self.speculation.measured_rounds(draft_rows, kept_tokens)
         return emitted
 
@@ -238,19 +248,22 @@ class LLMEngine:
                 src, dst = start + row, start + j
                 self._copies.append((blocks[src // b] * b + src % b, blocks[dst // b] * b + dst % b))
 
-    def _emit(self, seq: Sequence, new: list[int]) -> None:
+    def _emit(self, seq: Sequence, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         """Stream the tokens the round state appended (cut at a stop token or the length limit
-        there); finish at a stop token, a stop string or the length limit."""
+        there), with their log-probabilities where asked; finish at a stop token, a stop string or
+        the length limit."""
         request, state = seq.request, seq.speculation
-        shown = [t for t in new if t not in request.stop_ids]
-        text = seq.output.add(shown) if shown else ""
+        shown = [j for j, t in enumerate(new) if t not in request.stop_ids]
+        marks = None if logprobs is None else [logprobs[j] for j in shown]
+        text = seq.output.add([new[j] for j in shown], marks) if shown else ""
         reason = None
         if seq.output.stopped or state.stop_reason == "stop_token":
             reason = "stop"
         elif state.done or seq.generated >= request.max_new_tokens:
             reason = "length"
+        released = _placed(seq.output.take())
         if text or new:
-            seq.sink(GenerationEvent(request.request_id, text, tuple(new)))
+            seq.sink(GenerationEvent(request.request_id, text, tuple(new), logprobs=released))
         if reason is not None:
             self._finish(seq, reason)
 
@@ -264,7 +277,27 @@ class LLMEngine:
         rest = seq.output.finish() if reason in ("stop", "length") else ""
         usage = Usage(seq.prompt_len, max(0, seq.generated), seq.cached_tokens)
         summary = SpeculationSummary(self.algorithm, seq.rounds, seq.drafts, seq.draft_tokens, seq.accepted_tokens)
-        seq.sink(GenerationEvent(seq.request_id, rest, (), reason, error, usage, summary))
+        seq.sink(GenerationEvent(seq.request_id, rest, (), reason, error, usage, summary, _placed(seq.output.take())))
 
     def _decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], top: int) -> list[TokenLogprob]:
+    """tokens[j]'s log-probability under logits[rows[j]] (the target's row that decided it), and
+    the `top` likeliest tokens of that row. Every row is computed as it would be alone, so these
+    are the figures the target alone gives for the same tokens, whatever was drafted."""
+    if not tokens:
+        return []
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(tokens, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    if top:
+        values, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(t, c, tp) for t, c, tp in zip(tokens, chosen, tops, strict=True)]
+
+
+def _placed(released: list) -> tuple[TokenLogprob, ...]:
+    return tuple(replace(mark, offset=offset) for offset, mark in released)

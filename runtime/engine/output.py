@@ -104,18 +104,54 @@ class StopStrings:
 
 
 class OutputText:
-    """Incremental detokenisation followed by stop strings: what one request's client sees."""
+    """Incremental detokenisation followed by stop strings: what one request's client sees.
+
+    Tokens may carry a mark (e.g. their log-probability): `add(ids, marks)` decodes them one at
+    a time to learn which characters each one brought, and `take()` hands over, in order, the
+    marks of the tokens whose characters have all been released, each with where its text starts
+    in the output. At a stop string the tokens with characters before the cut come out, the
+    rest never; at the end of an unstopped output every remaining mark comes out."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str], stop_strings: Sequence[str] = ()):
         self.decoder = IncrementalDecoder(decode)
         self.stops = StopStrings(stop_strings)
+        self.decoded = 0  # characters the decoder released
+        self.shown = 0  # characters released to the client
+        self.pending: list[tuple[int, int, object]] = []  # (start, end, mark) of tokens not handed over
+        self.released: list[tuple[int, object]] = []
 
     @property
     def stopped(self) -> bool:
         return self.stops.stopped
 
-    def add(self, ids: Sequence[int]) -> str:
-        return self.stops.feed(self.decoder.add(ids))
+    def add(self, ids: Sequence[int], marks: Sequence | None = None) -> str:
+        if marks is None:
+            text = self.decoder.add(ids)
+        else:
+            pieces = []
+            for token, mark in zip(ids, marks, strict=True):
+                piece = self.decoder.add([token])
+                self.pending.append((self.decoded, self.decoded + len(piece), mark))
+                self.decoded += len(piece)
+                pieces.append(piece)
+            text = "".join(pieces)
+        return self._show(self.stops.feed(text), final=self.stops.stopped)
 
     def finish(self) -> str:
-        return self.stops.feed(self.decoder.flush()) + self.stops.flush()
+        return self._show(self.stops.feed(self.decoder.flush()) + self.stops.flush(), final=True)
+
+    def take(self) -> list[tuple[int, object]]:
+        """(offset of the token's text, mark) of the tokens released since the last call."""
+        out, self.released = self.released, []
+        return out
+
+    def _show(self, text: str, final: bool) -> str:
+        self.shown += len(text)
+        keep = []
+        for start, end, mark in self.pending:
+            if end <= self.shown or (final and (start < self.shown or not self.stops.stopped)):
+                self.released.append((start, mark))
+            elif not final:
+                keep.append((start, end, mark))
+        self.pending = keep
+        return text

@@ -84,6 +84,33 @@ def test_chat_and_completions_equal_generate_json_token_for_token(server, refere
     assert sum(reference["plain"][p]["acceptance_rate"] for p in PROMPTS) > 0  # drafts were accepted somewhere
 
 
+def test_log_probabilities_come_with_the_speculative_servers_tokens(server, reference):
+    """At TP=2 with slem drafting: one entry per shown token, in order, whose bytes spell the
+    answer; greedy, so each token is its row's likeliest; streamed as answered whole."""
+    client = server.client()
+    prompt = PROMPTS[0]
+    ref = reference["chat"][prompt]
+    out = client.chat.completions.create(model="target", messages=[{"role": "user", "content": prompt}],
+                                         max_tokens=NEW, temperature=0, logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert out.choices[0].message.content == ref["text"]
+    assert b"".join(bytes(c.bytes) for c in content).decode() == ref["text"]
+    shown = ref["token_ids"][:-1] if ref["finish_reason"] == "stop" else ref["token_ids"]
+    assert len(content) == len(shown)
+    for c in content:
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token and c.logprob <= 0
+        assert c.top_logprobs[0].logprob == c.logprob >= c.top_logprobs[1].logprob >= c.top_logprobs[2].logprob
+    _, chunks = stream_chat(client, prompt, max_tokens=NEW, temperature=0, logprobs=True, top_logprobs=3)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(c.token, c.logprob) for c in content]
+    text = client.completions.create(model="target", prompt=PROMPTS[1], max_tokens=NEW, temperature=0, logprobs=2)
+    logprobs = text.choices[0].logprobs
+    assert "".join(logprobs.tokens) == text.choices[0].text == reference["plain"][PROMPTS[1]]["text"]
+    assert logprobs.text_offset == [len("".join(logprobs.tokens[:j])) for j in range(len(logprobs.tokens))]
+    assert all(len(top) in (2, 3) and top[t] == lp for top, t, lp in
+               zip(logprobs.top_logprobs, logprobs.tokens, logprobs.token_logprobs, strict=True))
+
+
 def stream_chat(client, prompt, **kw) -> tuple[str, list]:
     chunks = list(client.chat.completions.create(model="target", messages=[{"role": "user", "content": prompt}],
                                                  stream=True, **kw))

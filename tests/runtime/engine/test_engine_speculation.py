@@ -4,6 +4,7 @@ rows, and every request's greedy output stays the target alone's, for every algo
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import speculative_support as support
@@ -212,3 +213,47 @@ def test_a_step_table_that_prices_rows_too_high_is_measured_again(explore, monke
         assert any(rows > 1 and rows != 3 for rows in spec.step_seconds.by_rows), sorted(spec.step_seconds.by_rows)
     else:
         assert drafted == 0
+
+
+@pytest.mark.parametrize("algorithm, drafter", [("slem", "sentencepiece"), ("standard", "same"),
+                                                ("auto", "sentencepiece")])
+def test_log_probabilities_under_speculation_are_the_target_alones(algorithm, drafter):
+    """Each token's log-probability (and the top 5) comes from the target row that decided it: with
+    drafts verified beside other requests they are the figures of the engine without speculation,
+    bit for bit, and those are the target's own (a plain forward over prompt + output)."""
+    top = 5
+
+    def collect(engine, requests):
+        events: dict[str, list] = {}
+        for request in requests:
+            engine.add(request, lambda event, rid=request.request_id: events.setdefault(rid, []).append(event))
+        while engine.has_work():
+            engine.step()
+        return events
+
+    requests = [replace(_request(i, prompt), logprobs=top) for i, prompt in enumerate(PROMPTS)]
+    speculative = collect(_engine(algorithm, drafter), requests)
+    runner = TargetRunner(load_model(target_model(), max_tokens=256, kv_tokens=1024, dtype=torch.float32,
+                                     block_size=8))
+    plain = collect(LLMEngine(runner, support.byte_level(), EngineConfig(max_num_seqs=4, max_num_batched_tokens=64)),
+                    requests)
+    drafted = 0
+    for request in requests:
+        rid = request.request_id
+        entries = [e for event in speculative[rid] for e in event.logprobs]
+        tokens = [t for event in speculative[rid] for t in event.token_ids]
+        assert entries == [e for event in plain[rid] for e in event.logprobs], (algorithm, rid)
+        assert [e.token_id for e in entries] == tokens == list(reference(request.prompt.text))
+        drafted += speculative[rid][-1].speculation.draft_tokens
+        prompt = list(request.prompt.target_ids)
+        with torch.no_grad():
+            logits = target_model()(torch.tensor([prompt + tokens])).logits[0].float()
+        expected = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+        for j, e in enumerate(entries):
+            assert len(e.top) == top and e.top[0][0] == e.token_id and e.top[0][1] == e.logprob  # greedy: the likeliest
+            assert [lp for _, lp in e.top] == sorted((lp for _, lp in e.top), reverse=True)
+            assert abs(e.logprob - float(expected[j, e.token_id])) < 1e-4, (rid, j)
+            ids = [i for i, _ in e.top]
+            assert torch.allclose(torch.tensor([lp for _, lp in e.top]), expected[j, ids], atol=1e-4)
+    if algorithm != "auto":
+        assert drafted > 0

@@ -142,3 +142,67 @@ def test_deltas_add_up_to_the_tokenizers_own_decode(kind):
         pieces.append(decoder.flush())
         assert "".join(pieces) == tokenizer.decode(ids, skip_special_tokens=True)
         assert not any("\ufffd" in p for p in pieces)
+
+
+def _marked(ids_per_step, stops=()):
+    """Each token marked with its index: (deltas, rest, stopped, [(step, offset, index)]), step
+    -1 for what finish() hands over."""
+    out = OutputText(byte_decode, stops)
+    deltas, taken, n = [], [], 0
+    for step, ids in enumerate(ids_per_step):
+        deltas.append(out.add(ids, list(range(n, n + len(ids)))))
+        n += len(ids)
+        taken += [(step, offset, mark) for offset, mark in out.take()]
+        if out.stopped:
+            break
+    rest = out.finish()
+    taken += [(-1, offset, mark) for offset, mark in out.take()]
+    return deltas, rest, out.stopped, taken
+
+
+def test_marked_tokens_come_out_with_their_characters_and_where_they_start():
+    # "Hello" " w" "orld" then é in two tokens: the first byte brings no character of its own
+    deltas, rest, stopped, taken = _marked([[1, 2], [3, 4], [5, 15]])
+    assert deltas == ["Hello w", "orld", "é!"] and rest == "" and not stopped
+    assert taken == [(0, 0, 0), (0, 5, 1), (1, 7, 2), (1, 11, 3), (2, 11, 4), (2, 12, 5)]
+
+
+def test_a_stop_string_keeps_the_marks_of_the_tokens_before_its_cut_only():
+    # "Hello" " w" "orld" "\n" "END": the stop "\nEND" cuts after "world"
+    deltas, rest, stopped, taken = _marked([[1, 2], [3, 11], [12, 15]], stops=("\nEND",))
+    assert "".join(deltas) + rest == "Hello world" and stopped
+    assert [mark for _, _, mark in taken] == [0, 1, 2]
+    # a token that straddles the cut keeps its mark: "orld\n" ... stop "ld\n"
+    deltas, rest, stopped, taken = _marked([[1, 2], [3, 11]], stops=("ld\n",))
+    assert "".join(deltas) + rest == "Hello wor" and [mark for _, _, mark in taken] == [0, 1, 2]
+
+
+def test_marks_follow_the_text_for_random_splits_and_stops():
+    """Marks come out once each, in order, never before the text before their token; offsets are
+    where each token's text starts; the text is what unmarked tokens give; without a stop every
+    mark comes out, with one exactly the tokens that reach before the cut."""
+    rng = random.Random(2)
+    ids = list(PIECES)[:20]  # no invalid byte: every token's text has a clear start
+    for _ in range(300):
+        seq = [rng.choice(ids) for _ in range(rng.randint(1, 14))]
+        whole = byte_decode(seq)
+        stops = tuple(whole[a:a + rng.randint(1, 3)] for a in rng.sample(range(len(whole)), min(2, len(whole))))
+        stops = tuple(s for s in stops if "\ufffd" not in s)
+        cuts = sorted(rng.sample(range(1, len(seq)), min(len(seq) - 1, rng.randint(0, 4))))
+        steps = [seq[a:b] for a, b in zip([0, *cuts], [*cuts, len(seq)], strict=True)]
+        deltas, rest, stopped, taken = _marked(steps, stops)
+        assert (deltas, rest) == released(steps, stops)[:2], (seq, stops, steps)
+        output = "".join(deltas) + rest
+        marks = [mark for _, _, mark in taken]
+        assert marks == list(range(len(marks))), (seq, stops, steps)
+        starts = [len(byte_decode(seq[:j]).rstrip("\ufffd")) for j in range(len(seq))]
+        assert [offset for _, offset, _ in taken] == starts[:len(marks)]
+        for step, offset, _ in taken:
+            if step >= 0:
+                assert len("".join(deltas[:step + 1])) >= offset
+        if not stopped:
+            assert len(marks) == len(seq)
+        else:
+            ends = [len(byte_decode(seq[:j + 1]).rstrip("\ufffd")) for j in range(len(seq))]
+            expect = [j for j in range(len(seq)) if starts[j] < len(output) or ends[j] <= len(output)]
+            assert marks == expect, (seq, stops, steps)
