@@ -38,21 +38,26 @@ class ScriptedEngine:
         self.requests, self.cancelled = [], []
         self.tokenizer = None  # the target's tokenizer the app encodes with (None: support.byte_level())
         self.token_ids = None  # each piece's token id (None: 7 for every piece)
+        self.answer = None  # request -> (pieces, finish) for that request (None: pieces and finish)
+        self.room = None  # requests it still takes before QueueFull (None: no limit)
 
     def submit(self, request, sink):
-        if self.full:
+        if self.full or self.room == 0:
             raise QueueFull("1 requests are waiting (--max-queue 1)")
+        if self.room is not None:
+            self.room -= 1
         self.requests.append(request)
+        pieces, finish = self.answer(request) if self.answer else (self.pieces, self.finish)
 
         def run():
             offset = 0
-            for j, piece in enumerate(self.pieces):
+            for j, piece in enumerate(pieces):
                 token = self.token_ids[j] if self.token_ids else 7
                 sink(GenerationEvent(request.request_id, piece, (token,), logprobs=self.logprobs(request, j, offset)))
                 offset += len(piece)
-            n = len(self.pieces)
-            sink(GenerationEvent(request.request_id, "", (), self.finish, "boom" if self.finish == "error" else None,
-                                 Usage(request.prompt_tokens, n), SpeculationSummary("slem", 2, 1, 3, 1)))
+            summary = SpeculationSummary("slem", 2, 1, 3, 1, (1,))
+            sink(GenerationEvent(request.request_id, "", (), finish, "boom" if finish == "error" else None,
+                                 Usage(request.prompt_tokens, len(pieces)), summary))
 
         threading.Thread(target=run).start()
 

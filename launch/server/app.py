@@ -13,6 +13,7 @@ A disconnect watcher cancels the request as soon as the client goes, streamed or
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import time
@@ -28,7 +29,14 @@ from hetero_run.kernels.sampling import SamplingParams
 from hetero_run.launch.server import protocol, tools
 from hetero_run.launch.server.errors import APIError, bad_request, unavailable
 from hetero_run.launch.server.sse import DONE, Channel, Mailbox, event
-from hetero_run.runtime.engine.api import EngineState, EngineUnavailable, GenerationRequest, QueueFull
+from hetero_run.runtime.engine.api import (
+    EngineState,
+    EngineUnavailable,
+    GenerationRequest,
+    QueueFull,
+    SpeculationSummary,
+    Usage,
+)
 
 log = logging.getLogger("hetero_run.launch.server")
 
@@ -154,112 +162,158 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
             metrics.rejected.labels("invalid" if exc.status < 500 else "unavailable").inc()
             raise
         ids = protocol.ResponseIds("chatcmpl" if chat else "cmpl", settings.model)
-        generation = replace(generation, request_id=ids.id)
-        channel = Channel(mailbox(), metrics.timer(arrival).observe)
-        channel.prompt_ids = generation.prompt.target_ids
+        channels = []
         try:
-            engine.submit(generation, channel.sink)
-        except QueueFull as exc:
-            metrics.rejected.labels("queue_full").inc()
-            raise APIError(429, f"the server is busy: {exc}") from None
-        except EngineUnavailable as exc:
+            for i in range(req.choices):
+                one = _choice(generation, ids.id, i, req.choices)
+                channel = Channel(mailbox(), metrics.timer(arrival).observe)
+                engine.submit(one, channel.sink)
+                channels.append(channel)
+        except (QueueFull, EngineUnavailable) as exc:
+            for i in range(len(channels)):  # the choices already queued go too
+                engine.cancel(_choice_id(ids.id, i, req.choices))
+            if isinstance(exc, QueueFull):
+                metrics.rejected.labels("queue_full").inc()
+                raise APIError(429, f"the server is busy: {exc}") from None
             metrics.rejected.labels("unavailable").inc()
             raise unavailable(str(exc)) from None
         if settings.log_requests:
             log.info("%s: prompt %r", ids.id, generation.prompt.messages or generation.prompt.text
                      or list(generation.prompt.target_ids))
         respond = _stream if req.stream else _complete
-        return await respond(request, req, ids, channel, chat)
+        return await respond(request, req, ids, channels, chat, generation.prompt.target_ids)
 
-    async def _complete(request, req, ids, channel: Channel, chat: bool):
+    def _cancel_all(ids, channels) -> None:
+        for i, channel in enumerate(channels):
+            if not channel.finished:
+                engine.cancel(_choice_id(ids.id, i, len(channels)))
+
+    async def _complete(request, req, ids, channels: list[Channel], chat: bool, prompt_ids):
         app.state.open_requests += 1
-        watcher = asyncio.create_task(_watch_disconnect(request, lambda: engine.cancel(ids.id)))
-        texts, tokens, entries = [], [], []
-        try:
+        watcher = asyncio.create_task(_watch_disconnect(request, lambda: _cancel_all(ids, channels)))
+
+        async def collect(channel: Channel):
+            texts, tokens, entries = [], [], []
             while True:
                 ev = await channel.next()
                 texts.append(ev.text)
                 tokens += ev.token_ids
                 entries += ev.logprobs
                 if ev.final:
-                    break
+                    return "".join(texts), tokens, entries, ev
+
+        try:
+            results = await asyncio.gather(*(collect(channel) for channel in channels))
         finally:
             watcher.cancel()
             app.state.open_requests -= 1
-            if not channel.finished:
-                engine.cancel(ids.id)
-        _log_output(ids, ev, "".join(texts))
-        if ev.finish_reason not in ("stop", "length"):
-            raise _final_error(ev)
-        token_ids = (channel.prompt_ids, tokens) if req.return_token_ids else None
-        text = "".join(texts)
-        logprobs = None if req.wanted_logprobs is None else _logprobs(entries, chat)
-        if not chat:
-            return JSONResponse(protocol.completion_response(ids, text, ev.finish_reason, ev.usage, ev.speculation,
-                                                             token_ids, logprobs))
-        content, calls = tools.parse(text, req.tool_names) if req.offered_tools else (text, [])
-        return JSONResponse(protocol.chat_response(ids, content, _finish(ev.finish_reason, bool(calls)), ev.usage,
-                                                   ev.speculation, token_ids, calls, logprobs))
+            _cancel_all(ids, channels)
+        for text, _, _, ev in results:
+            _log_output(ids, ev, text)
+        failed = next((ev for *_, ev in results if ev.finish_reason not in ("stop", "length")), None)
+        if failed is not None:
+            raise _final_error(failed)
+        choices = []
+        for i, (text, tokens, entries, ev) in enumerate(results):
+            logprobs = None if req.wanted_logprobs is None else _logprobs(entries, chat)
+            token_ids = tokens if req.return_token_ids else None
+            if chat:
+                content, calls = tools.parse(text, req.tool_names) if req.offered_tools else (text, [])
+                choices.append(protocol.chat_choice(i, content, _finish(ev.finish_reason, bool(calls)), calls,
+                                                    logprobs, token_ids))
+            else:
+                choices.append(protocol.completion_choice(i, text, ev.finish_reason, logprobs, token_ids))
+        finals = [ev for *_, ev in results]
+        respond = protocol.chat_response if chat else protocol.completion_response
+        return JSONResponse(respond(ids, choices, _usage(finals), _speculation(finals),
+                                    prompt_ids if req.return_token_ids else None))
 
     def _logprobs(entries, chat: bool) -> dict:
         format_ = protocol.chat_logprobs if chat else protocol.completion_logprobs
         return format_(entries, app.state.prompter.piece)
 
-    async def _stream(request, req, ids, channel: Channel, chat: bool):
+    async def _stream(request, req, ids, channels: list[Channel], chat: bool, prompt_ids):
         usage = req.include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
+        n = len(channels)
+        calls = [tools.CallStream(req.tool_names) if chat and req.offered_tools else None for _ in range(n)]
 
-        calls = tools.CallStream(req.tool_names) if chat and req.offered_tools else None
-
-        def chunks(text: str, entries=(), final: bool = False) -> list[bytes]:
-            """The frames of an event's text; its tokens' log-probabilities ride on the first."""
+        def chunks(i: int, text: str, entries=(), final: bool = False) -> list[bytes]:
+            """The frames of choice i's event; its tokens' log-probabilities ride on the first."""
             logprobs = _logprobs(entries, chat) if entries and req.wanted_logprobs is not None else None
             if not chat:
-                return [event(protocol.completion_chunk(ids, text, None, usage, logprobs=logprobs))] \
+                return [event(protocol.completion_chunk(ids, text, None, usage, logprobs=logprobs, index=i))] \
                     if text or logprobs else []
-            deltas = [{"content": text}] if calls is None and text else []
-            if calls is not None:
-                deltas = calls.feed(text) + (calls.finish() if final else [])
+            deltas = [{"content": text}] if calls[i] is None and text else []
+            if calls[i] is not None:
+                deltas = calls[i].feed(text) + (calls[i].finish() if final else [])
             if logprobs and not deltas:
                 deltas = [{}]
-            return [event(protocol.chat_chunk(ids, delta, None, usage, logprobs=logprobs if j == 0 else None))
-                    for j, delta in enumerate(deltas)]
+            return [event(protocol.chat_chunk(ids, delta, None, usage, logprobs=logprobs if j == 0 else None,
+                                              index=i)) for j, delta in enumerate(deltas)]
 
-        def last(finish: str, speculation) -> bytes:
+        def last(i: int, finish: str, speculation) -> bytes:
             if chat:
-                finish = _finish(finish, bool(calls and calls.calls))
-                return event(protocol.chat_chunk(ids, {}, finish, usage, speculation))
-            return event(protocol.completion_chunk(ids, "", finish, usage, speculation))
+                finish = _finish(finish, bool(calls[i] and calls[i].calls))
+                return event(protocol.chat_chunk(ids, {}, finish, usage, speculation, index=i))
+            return event(protocol.completion_chunk(ids, "", finish, usage, speculation, index=i))
+
+        async def merged():
+            """(choice, event) as the choices' events arrive, each choice's in order, until every one ended."""
+            queue: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, channel: Channel):
+                while True:
+                    ev = await channel.next()
+                    await queue.put((i, ev))
+                    if ev.final:
+                        return
+
+            pumps = [asyncio.create_task(pump(i, channel)) for i, channel in enumerate(channels)]
+            try:
+                for _ in channels:
+                    while True:
+                        i, ev = await queue.get()
+                        yield i, ev
+                        if ev.final:
+                            break
+            finally:
+                for task in pumps:
+                    task.cancel()
 
         async def frames():
             app.state.open_requests += 1
-            watcher = asyncio.create_task(_watch_disconnect(request, lambda: engine.cancel(ids.id)))
-            texts = []
+            watcher = asyncio.create_task(_watch_disconnect(request, lambda: _cancel_all(ids, channels)))
+            texts: list[list[str]] = [[] for _ in range(n)]
+            finals = []
             try:
                 if chat:
-                    yield event(protocol.chat_chunk(ids, {"role": "assistant", "content": ""}, None, usage))
-                while True:
-                    ev = await channel.next()
-                    texts.append(ev.text)
-                    if ev.final:
-                        break
-                    for frame in chunks(ev.text, ev.logprobs):
-                        yield frame
-                _log_output(ids, ev, "".join(texts))
-                if ev.finish_reason in ("stop", "length"):
-                    for frame in chunks(ev.text, ev.logprobs, final=True):
-                        yield frame
-                    yield last(ev.finish_reason, ev.speculation)
-                    if usage:
-                        yield event(protocol.usage_chunk(ids, obj, ev.usage))
-                else:
-                    yield event(_final_error(ev).body())
+                    for i in range(n):
+                        yield event(protocol.chat_chunk(ids, {"role": "assistant", "content": ""}, None, usage,
+                                                        index=i))
+                async with contextlib.aclosing(merged()) as stream:
+                    async for i, ev in stream:
+                        texts[i].append(ev.text)
+                        if not ev.final:
+                            for frame in chunks(i, ev.text, ev.logprobs):
+                                yield frame
+                            continue
+                        _log_output(ids, ev, "".join(texts[i]))
+                        if ev.finish_reason not in ("stop", "length"):
+                            yield event(_final_error(ev).body())
+                            break
+                        for frame in chunks(i, ev.text, ev.logprobs, final=True):
+                            yield frame
+                        yield last(i, ev.finish_reason, ev.speculation)
+                        finals.append(ev)
+                    else:
+                        if usage:
+                            yield event(protocol.usage_chunk(ids, obj, _usage(finals)))
                 yield DONE
             finally:
                 watcher.cancel()
                 app.state.open_requests -= 1
-                if not channel.finished:
-                    engine.cancel(ids.id)
+                _cancel_all(ids, channels)
 
         return StreamingResponse(frames(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -275,6 +329,38 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
                      text)
 
     return app
+
+
+def _choice_id(request_id: str, i: int, n: int) -> str:
+    return request_id if n == 1 else f"{request_id}-{i}"
+
+
+def _choice(generation: GenerationRequest, request_id: str, i: int, n: int) -> GenerationRequest:
+    """Choice i of n as an engine request: a seeded request's choice i draws with seed + i."""
+    sampling = generation.sampling
+    if n > 1 and sampling.seed is not None:
+        sampling = replace(sampling, seed=sampling.seed + i)
+    return replace(generation, request_id=_choice_id(request_id, i, n), sampling=sampling)
+
+
+def _usage(finals) -> Usage:
+    """The request's usage over its choices: the prompt once (and its cached tokens as the first
+    choice found them), the completions summed."""
+    first = finals[0].usage
+    return Usage(first.prompt_tokens, sum(ev.usage.completion_tokens for ev in finals), first.cached_tokens)
+
+
+def _speculation(finals) -> SpeculationSummary | None:
+    summaries = [ev.speculation for ev in finals if ev.speculation is not None]
+    if not summaries:
+        return None
+    fields = ("rounds", "drafts", "draft_tokens", "accepted_tokens")
+    positions = [0] * max(len(s.accepted_per_position) for s in summaries)
+    for s in summaries:
+        for j, count in enumerate(s.accepted_per_position):
+            positions[j] += count
+    return SpeculationSummary(summaries[0].algorithm, *(sum(getattr(s, f) for s in summaries) for f in fields),
+                              tuple(positions))
 
 
 def _check_model(asked: str | None, served: str) -> None:

@@ -13,6 +13,7 @@
 | hetero_run:e2e_request_latency_seconds | histogram | arrival to the final event |
 | hetero_run:spec_decode_num_drafts_total | counter | verify rounds that carried draft tokens |
 | hetero_run:spec_decode_num_draft_tokens_total / _accepted_tokens_total | counter | draft tokens verified / accepted |
+| hetero_run:spec_decode_num_accepted_tokens_per_pos_total{position} | counter | accepted at depth position + 1 |
 
 Observations happen where the engine hands events over (its own thread; prometheus-client is
 thread-safe), so a client that stops reading does not stop the figures.
@@ -65,6 +66,9 @@ class Metrics:
         self.drafts = counter("spec_decode_num_drafts", "Verify rounds that carried draft tokens.")
         self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
         self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_position = counter("spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by their depth in the draft (0: the first).",
+                                             ["position"])
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Arrival to the first generated token.",
                               buckets=LATENCY_BUCKETS, registry=registry)
         self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "Per request: time per token after the first.",
@@ -125,6 +129,8 @@ class RequestTimer:
             m.drafts.inc(spec.drafts)
             m.draft_tokens.inc(spec.draft_tokens)
             m.accepted_tokens.inc(spec.accepted_tokens)
+            for position, count in enumerate(spec.accepted_per_position):
+                m.accepted_per_position.labels(str(position)).inc(count)
             with m._lock:
                 m.drafted += spec.draft_tokens
                 m.accepted += spec.accepted_tokens

@@ -3,7 +3,7 @@
 A request that fails validation is a 400 naming the field (`messages[1].role: Input should be
 'system', 'user' or 'assistant'`). Types are strict, as OpenAI's are: "5" is not a number.
 Fields a server does not know are ignored (clients send extras); fields hetero-run knows but
-cannot honour (n > 1, echo; a tool_choice that forces a call, a response format other
+cannot honour (echo; a tool_choice that forces a call, a response format other
 than text, sampling penalties and logit biases) are a 400 naming them, as vLLM and llama-server
 refuse what they are not set up for: an answer that quietly ignored them would not be what was
 asked. The neutral values clients send by default (penalties of 0, an empty logit_bias,
@@ -18,6 +18,9 @@ Log probabilities: chat `logprobs: true` (+ `top_logprobs` 0..20), completions `
 as OpenAI shapes them (`chat_logprobs`, `completion_logprobs`). They are the target's raw
 log-probabilities (log-softmax of its logits, before temperature, top-k and top-p: vLLM's
 default), computed on the rows that decided each token, so speculation changes none of them.
+
+`n` (1..16): that many choices of one prompt, each its own engine request, batched together;
+choice i of a seeded request is what the same request with seed + i returns alone.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from hetero_run.launch.server.errors import APIError, bad_request
 
 MAX_STOP_STRINGS = 16
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+MAX_N = 16  # choices of one request
 
 
 class StreamOptions(BaseModel):
@@ -53,7 +57,7 @@ class _Request(BaseModel):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # choices, each its own engine request
     ignore_eos: bool = False  # vLLM's extension: generate past end-of-sequence tokens
     return_token_ids: bool = False  # vLLM's extension: the prompt's and the output's token ids in the response
 
@@ -64,6 +68,10 @@ class _Request(BaseModel):
     @property
     def stop_strings(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    @property
+    def choices(self) -> int:
+        return self.n or 1
 
     @property
     def include_usage(self) -> bool:
@@ -255,8 +263,6 @@ def _field_error(exc: ValidationError) -> APIError:
     message = error["msg"]
     if error["type"] == "missing":
         message = "is required"
-    elif error["type"] == "literal_error" and param == "n":
-        message = "only n = 1 is supported"
     elif error["type"] == "value_error":
         message = str(error["ctx"]["error"])
     return bad_request(message, param)
@@ -295,42 +301,51 @@ class ResponseIds:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
 
-def chat_response(ids: ResponseIds, text: str | None, finish_reason: str, usage, speculation, token_ids=None,
-                  tool_calls: list[dict] | None = None, logprobs: dict | None = None) -> dict:
-    message = {"role": "assistant", "content": text}
+def chat_choice(index: int, content: str | None, finish_reason: str, tool_calls: list[dict] | None = None,
+                logprobs: dict | None = None, token_ids=None) -> dict:
+    message = {"role": "assistant", "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls
-    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
-    return _with_ids({**ids.head("chat.completion"), "choices": [choice], "usage": Usage.of(usage).model_dump(),
-                      "speculation": _speculation(speculation)}, token_ids)
+    return _with_ids({"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason},
+                     token_ids)
 
 
-def completion_response(ids: ResponseIds, text: str, finish_reason: str, usage, speculation, token_ids=None,
-                        logprobs: dict | None = None) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    return _with_ids({**ids.head("text_completion"), "choices": [choice], "usage": Usage.of(usage).model_dump(),
-                      "speculation": _speculation(speculation)}, token_ids)
+def completion_choice(index: int, text: str, finish_reason: str, logprobs: dict | None = None, token_ids=None) -> dict:
+    return _with_ids({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}, token_ids)
 
 
-def _with_ids(body: dict, token_ids) -> dict:
-    if token_ids is not None:
-        prompt_ids, output_ids = token_ids
+def chat_response(ids: ResponseIds, choices: list[dict], usage, speculation, prompt_ids=None) -> dict:
+    return _response(ids.head("chat.completion"), choices, usage, speculation, prompt_ids)
+
+
+def completion_response(ids: ResponseIds, choices: list[dict], usage, speculation, prompt_ids=None) -> dict:
+    return _response(ids.head("text_completion"), choices, usage, speculation, prompt_ids)
+
+
+def _response(head: dict, choices: list[dict], usage, speculation, prompt_ids) -> dict:
+    body = {**head, "choices": choices, "usage": Usage.of(usage).model_dump(), "speculation": _speculation(speculation)}
+    if prompt_ids is not None:  # vLLM's return_token_ids
         body["prompt_token_ids"] = list(prompt_ids)
-        body["choices"][0]["token_ids"] = list(output_ids)
     return body
 
 
+def _with_ids(choice: dict, token_ids) -> dict:
+    if token_ids is not None:
+        choice["token_ids"] = list(token_ids)
+    return choice
+
+
 def chat_chunk(ids: ResponseIds, delta: dict, finish_reason: str | None = None, include_usage: bool = False,
-               speculation=None, logprobs: dict | None = None) -> dict:
+               speculation=None, logprobs: dict | None = None, index: int = 0) -> dict:
     chunk = {**ids.head("chat.completion.chunk"),
-             "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
     return _chunk_extras(chunk, include_usage, speculation)
 
 
 def completion_chunk(ids: ResponseIds, text: str, finish_reason: str | None = None, include_usage: bool = False,
-                     speculation=None, logprobs: dict | None = None) -> dict:
+                     speculation=None, logprobs: dict | None = None, index: int = 0) -> dict:
     chunk = {**ids.head("text_completion"),
-             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+             "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
     return _chunk_extras(chunk, include_usage, speculation)
 
 

@@ -63,6 +63,9 @@ class SpeculationSummary:
     drafts: int  # rounds that verified at least one draft token
     draft_tokens: int  # draft tokens verified
     accepted_tokens: int  # of them accepted
+    # accepted_per_position[j]: rounds whose draft token at depth j + 1 was accepted (vLLM's
+    # spec_decode_num_accepted_tokens_per_pos); it sums to accepted_tokens and never rises with j
+    accepted_per_position: tuple[int, ...] = ()
 
     @property
     def tokens_per_round(self) -> float:
@@ -71,7 +74,8 @@ class SpeculationSummary:
     def to_json(self) -> dict:
         return {"algorithm": self.algorithm, "rounds": self.rounds, "drafts": self.drafts,
                 "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens,
-                "tokens_per_round": round(self.tokens_per_round, 4)}
+                "tokens_per_round": round(self.tokens_per_round, 4),
+                "accepted_per_position": list(self.accepted_per_position)}
 
 
 @dataclass(frozen=True)

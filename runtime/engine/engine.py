@@ -228,6 +228,7 @@ class LLMEngine:
                     seq.drafts += 1
                     seq.draft_tokens += r.plan.k
                     seq.accepted_tokens += kept - 1
+                    _count_positions(seq.accepted_per_position, kept - 1)
             seq.computed = start + kept  # the pending token and the accepted drafts
             emitted += kept
             self.blocks.shrink(seq.table, seq.computed + 1)
@@ -276,7 +277,8 @@ class LLMEngine:
         seq.finish_reason = reason
         rest = seq.output.finish() if reason in ("stop", "length") else ""
         usage = Usage(seq.prompt_len, max(0, seq.generated), seq.cached_tokens)
-        summary = SpeculationSummary(self.algorithm, seq.rounds, seq.drafts, seq.draft_tokens, seq.accepted_tokens)
+        summary = SpeculationSummary(self.algorithm, seq.rounds, seq.drafts, seq.draft_tokens, seq.accepted_tokens,
+                                     tuple(seq.accepted_per_position))
         seq.sink(GenerationEvent(seq.request_id, rest, (), reason, error, usage, summary, _placed(seq.output.take())))
 
     def _decode(self, ids) -> str:
@@ -297,6 +299,13 @@ def token_logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int], top
     else:
         tops = [()] * len(tokens)
     return [TokenLogprob(t, c, tp) for t, c, tp in zip(tokens, chosen, tops, strict=True)]
+
+
+def _count_positions(counts: list[int], accepted: int) -> None:
+    """One round accepted drafts at depths 1..accepted: count each depth."""
+    counts.extend([0] * (accepted - len(counts)))
+    for j in range(accepted):
+        counts[j] += 1
 
 
 def _placed(released: list) -> tuple[TokenLogprob, ...]:

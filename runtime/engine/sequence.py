@@ -52,6 +52,7 @@ class Sequence:
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     started: float = field(default_factory=time.monotonic)
 

@@ -173,6 +173,25 @@ def test_a_seeded_sampled_request_is_reproducible(server, reference):
     assert any(ids != greedy for ids in [first, *others]) and any(ids != first for ids in others)  # it sampled
 
 
+def test_n_choices_are_each_what_one_request_returns(server, reference):
+    """n = 3 at TP=2 with slem: greedy choices are all generate's answer; a seeded request's choice
+    i is what the same request with seed + i returns alone."""
+    client = server.client()
+    prompt = PROMPTS[0]
+    out = client.chat.completions.create(model="target", messages=[{"role": "user", "content": prompt}],
+                                         max_tokens=NEW, temperature=0, n=3)
+    assert [c.message.content for c in out.choices] == [reference["chat"][prompt]["text"]] * 3
+    assert out.usage.completion_tokens == 3 * reference["chat"][prompt]["new_tokens"]
+
+    def sample(seed, n=1):
+        return client.completions.create(model="target", prompt=PROMPTS[1], max_tokens=NEW, temperature=2.0, seed=seed,
+                                         n=n, extra_body={"ignore_eos": True, "return_token_ids": True}).choices
+
+    together = [c.token_ids for c in sample(11, n=3)]
+    assert together == [sample(11 + i)[0].token_ids for i in range(3)]
+    assert len(set(map(tuple, together))) == 3  # three different samples
+
+
 def test_seeded_sampled_requests_among_others_return_what_they_return_alone(server, pair):
     """Keyed verification: a seeded request's tokens depend on its seed and the target only, not
     on the requests batched with it, nor on how much was drafted; they equal generate's."""

@@ -21,7 +21,8 @@ from hetero_run.runtime.engine.api import EngineState, GenerationEvent, Speculat
     ({**CHAT, "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
     ({**CHAT, "temperature": -0.5}, 400, "temperature", "greater than or equal to 0"),
     ({**CHAT, "top_p": 0}, 400, "top_p", "greater than 0"),
-    ({**CHAT, "n": 3}, 400, "n", "only n = 1"),
+    ({**CHAT, "n": 17}, 400, "n", "less than or equal to 16"),
+    ({**CHAT, "n": 0}, 400, "n", "greater than or equal to 1"),
     ({**CHAT, "stop": [1]}, 400, "stop", ""),
     ({**CHAT, "stream": "yes"}, 400, "stream", "valid boolean"),
     ({"model": "tiny"}, 400, "messages", "is required"),
@@ -72,7 +73,8 @@ def test_a_correct_request_after_bad_ones_is_served(engine):
     assert body["usage"]["completion_tokens"] == 3
     assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 3
     assert body["speculation"] == {"algorithm": "slem", "rounds": 2, "drafts": 1, "draft_tokens": 3,
-                                   "accepted_tokens": 1, "tokens_per_round": 1.5, "acceptance_rate": 0.3333}
+                                   "accepted_tokens": 1, "tokens_per_round": 1.5, "accepted_per_position": [1],
+                                   "acceptance_rate": 0.3333}
     (request,) = engine.requests
     assert request.max_new_tokens == 8 and request.sampling.temperature == 1.0  # OpenAI's default
 
@@ -253,6 +255,8 @@ def test_metrics_count_tokens_speculation_and_rejections(engine):
     assert lines["hetero_run:spec_decode_num_drafts_total"] == 1
     assert lines["hetero_run:spec_decode_num_draft_tokens_total"] == 3
     assert lines["hetero_run:spec_decode_num_accepted_tokens_total"] == 1
+    assert lines['hetero_run:spec_decode_num_accepted_tokens_per_pos_total{position="0"}'] == 1
+    assert not any("position=\"1\"" in name for name in lines)
     assert lines["hetero_run:time_to_first_token_seconds_count"] == 1
     assert lines["hetero_run:e2e_request_latency_seconds_count"] == 1
     assert lines["hetero_run:kv_cache_usage_perc"] == pytest.approx(4 / 64)

@@ -83,6 +83,11 @@ def test_speculating_among_other_requests_keeps_every_output_the_targets(algorit
         assert sum(f.speculation.draft_tokens for f in finals.values()) > 0
     else:
         assert priced and all(verify is not None for verify in priced)
+    for final in finals.values():  # acceptance by depth: each accepted token counted once, depth 1 the most
+        s = final.speculation
+        assert sum(s.accepted_per_position) == s.accepted_tokens
+        assert list(s.accepted_per_position) == sorted(s.accepted_per_position, reverse=True)
+        assert not s.accepted_per_position or 0 < s.accepted_per_position[0] <= s.drafts
     assert engine.speculation.free_slots == 1, "the drafter slot came back"
     assert engine.blocks.num_free == engine.blocks.num_blocks
 
