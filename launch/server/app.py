@@ -181,14 +181,16 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
             log.info("%s: prompt %r", ids.id, generation.prompt.messages or generation.prompt.text
                      or list(generation.prompt.target_ids))
         respond = _stream if req.stream else _complete
-        return await respond(request, req, ids, channels, chat, generation.prompt.target_ids)
+        echo = "" if chat or not req.echo else \
+            req.prompt if isinstance(req.prompt, str) else app.state.prompter.detokenize(req.prompt)
+        return await respond(request, req, ids, channels, chat, generation.prompt.target_ids, echo)
 
     def _cancel_all(ids, channels) -> None:
         for i, channel in enumerate(channels):
             if not channel.finished:
                 engine.cancel(_choice_id(ids.id, i, len(channels)))
 
-    async def _complete(request, req, ids, channels: list[Channel], chat: bool, prompt_ids):
+    async def _complete(request, req, ids, channels: list[Channel], chat: bool, prompt_ids, echo: str):
         app.state.open_requests += 1
         watcher = asyncio.create_task(_watch_disconnect(request, lambda: _cancel_all(ids, channels)))
 
@@ -222,7 +224,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
                 choices.append(protocol.chat_choice(i, content, _finish(ev.finish_reason, bool(calls)), calls,
                                                     logprobs, token_ids))
             else:
-                choices.append(protocol.completion_choice(i, text, ev.finish_reason, logprobs, token_ids))
+                choices.append(protocol.completion_choice(i, echo + text, ev.finish_reason, logprobs, token_ids))
         finals = [ev for *_, ev in results]
         respond = protocol.chat_response if chat else protocol.completion_response
         return JSONResponse(respond(ids, choices, _usage(finals), _speculation(finals),
@@ -232,7 +234,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         format_ = protocol.chat_logprobs if chat else protocol.completion_logprobs
         return format_(entries, app.state.prompter.piece)
 
-    async def _stream(request, req, ids, channels: list[Channel], chat: bool, prompt_ids):
+    async def _stream(request, req, ids, channels: list[Channel], chat: bool, prompt_ids, echo: str):
         usage = req.include_usage
         obj = "chat.completion.chunk" if chat else "text_completion"
         n = len(channels)
@@ -287,10 +289,12 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
             texts: list[list[str]] = [[] for _ in range(n)]
             finals = []
             try:
-                if chat:
-                    for i in range(n):
+                for i in range(n):
+                    if chat:
                         yield event(protocol.chat_chunk(ids, {"role": "assistant", "content": ""}, None, usage,
                                                         index=i))
+                    elif echo:
+                        yield event(protocol.completion_chunk(ids, echo, None, usage, index=i))
                 async with contextlib.aclosing(merged()) as stream:
                     async for i, ev in stream:
                         texts[i].append(ev.text)
@@ -390,6 +394,8 @@ def _generation_request(req, prompt, prompter, max_context: int, param: str, arr
     except Exception as exc:
         raise bad_request(str(exc)) from None
     stop_ids = frozenset() if req.ignore_eos else prompter.stop_ids
+    if req.stop_token_ids:
+        stop_ids |= frozenset(prompter.checked_ids(req.stop_token_ids, "stop_token_ids"))
     return GenerationRequest("", prompt, new, sampling, stop_ids, req.stop_strings, arrival, req.wanted_logprobs)
 
 

@@ -3,7 +3,7 @@
 A request that fails validation is a 400 naming the field (`messages[1].role: Input should be
 'system', 'user' or 'assistant'`). Types are strict, as OpenAI's are: "5" is not a number.
 Fields a server does not know are ignored (clients send extras); fields hetero-run knows but
-cannot honour (echo; a tool_choice that forces a call, a response format other
+cannot honour (echo with logprobs; a tool_choice that forces a call, a response format other
 than text, sampling penalties and logit biases) are a 400 naming them, as vLLM and llama-server
 refuse what they are not set up for: an answer that quietly ignored them would not be what was
 asked. The neutral values clients send by default (penalties of 0, an empty logit_bias,
@@ -59,6 +59,8 @@ class _Request(BaseModel):
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = None  # choices, each its own engine request
     ignore_eos: bool = False  # vLLM's extension: generate past end-of-sequence tokens
+    # vLLM's extension: more tokens that end generation (not shown in the text), even with ignore_eos
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
     return_token_ids: bool = False  # vLLM's extension: the prompt's and the output's token ids in the response
 
     @property
@@ -188,7 +190,7 @@ class ChatRequest(_Request):
 class CompletionRequest(_Request):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
         list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    echo: Literal[False] = False
+    echo: bool = False  # the prompt's text before the completion's
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: Literal[1] | None = None
 
@@ -233,6 +235,9 @@ def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
         data.pop("logprobs")  # clients send logprobs: false to any route
     if kind is ChatRequest and data.get("top_logprobs") is not None and data.get("logprobs") is not True:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
+    if kind is CompletionRequest and data.get("echo") is True and data.get("logprobs") is not None:
+        raise bad_request("echo with logprobs needs the prompt's log probabilities, which this server does not "
+                          "compute", "echo")
     for field, neutral, why in _NOT_HONOURED:
         if field in data and data[field] is not None and not neutral(data[field]):
             raise bad_request(why, field)

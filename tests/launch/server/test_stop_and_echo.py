@@ -1,0 +1,46 @@
+"""vLLM's `stop_token_ids` and the completions `echo`, over the scripted engine."""
+
+from __future__ import annotations
+
+import pytest
+import speculative_support as support
+from app_support import CHAT, error_of, parse_sse, post, run
+
+PROMPT = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 8}
+
+
+def test_stop_token_ids_join_the_end_of_sequence_tokens_and_survive_ignore_eos(engine):
+    eos = support.byte_level().eos_token_id
+    run(post(engine, "/v1/chat/completions", {**CHAT, "stop_token_ids": [11, 12]}))
+    assert engine.requests[-1].stop_ids == {eos, 11, 12}
+    run(post(engine, "/v1/completions", {**PROMPT, "stop_token_ids": [11], "ignore_eos": True}))
+    assert engine.requests[-1].stop_ids == {11}
+    run(post(engine, "/v1/completions", {**PROMPT, "ignore_eos": True}))
+    assert engine.requests[-1].stop_ids == set()
+
+
+@pytest.mark.parametrize("ids, words", [([10 ** 9], "outside the vocabulary"), ([-1], "greater than or equal to 0"),
+                                        (["7"], "valid integer"), (list(range(17)), "at most 16")])
+def test_bad_stop_token_ids_are_a_400_naming_them(engine, ids, words):
+    response = run(post(engine, "/v1/completions", {**PROMPT, "stop_token_ids": ids}))
+    assert response.status_code == 400 and error_of(response)["param"].startswith("stop_token_ids")
+    assert words in error_of(response)["message"] and not engine.requests
+
+
+def test_echo_puts_the_prompt_before_the_completion(engine):
+    body = run(post(engine, "/v1/completions", {**PROMPT, "echo": True, "n": 2})).json()
+    assert [c["text"] for c in body["choices"]] == ["def f(x):Hello wörld"] * 2
+    chunks = parse_sse(run(post(engine, "/v1/completions", {**PROMPT, "echo": True, "stream": True})).text)
+    assert chunks[0]["choices"][0]["text"] == "def f(x):"
+    assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == "def f(x):Hello wörld"
+    ids = support.byte_level()("def f(x):", add_special_tokens=False)["input_ids"]
+    body = run(post(engine, "/v1/completions", {**PROMPT, "prompt": ids, "echo": True})).json()
+    assert body["choices"][0]["text"] == "def f(x):Hello wörld"
+    body = run(post(engine, "/v1/completions", {**PROMPT, "echo": False})).json()
+    assert body["choices"][0]["text"] == "Hello wörld"
+
+
+def test_echo_with_logprobs_is_a_400_naming_echo(engine):
+    response = run(post(engine, "/v1/completions", {**PROMPT, "echo": True, "logprobs": 1}))
+    assert response.status_code == 400 and error_of(response)["param"] == "echo"
+    assert "prompt's log probabilities" in error_of(response)["message"] and not engine.requests
