@@ -53,7 +53,8 @@ class ScriptedEngine:
             offset = 0
             for j, piece in enumerate(pieces):
                 token = self.token_ids[j] if self.token_ids else 7
-                sink(GenerationEvent(request.request_id, piece, (token,), logprobs=self.logprobs(request, j, offset)))
+                sink(GenerationEvent(request.request_id, piece, (token,), logprobs=self.logprobs(request, j, offset),
+                                     prompt_logprobs=self.prompt_logprobs(request) if j == 0 else ()))
                 offset += len(piece)
             summary = SpeculationSummary("slem", 2, 1, 3, 1, (1,))
             sink(GenerationEvent(request.request_id, "", (), finish, "boom" if finish == "error" else None,
@@ -69,6 +70,16 @@ class ScriptedEngine:
         token, lp = self.token_ids[j] if self.token_ids else 7, -(j + 1) / 4
         top = ((token, lp), *((100 + d, lp - 1 - d) for d in range(request.logprobs - 1)))[:request.logprobs]
         return (TokenLogprob(token, lp, top, offset),)
+
+    def prompt_logprobs(self, request) -> tuple:
+        """With request.prompt_logprobs: prompt token q (from 1) at -q / 8, its top k the token
+        itself, then ids 100, 101, ..."""
+        k = request.prompt_logprobs
+        if k is None:
+            return ()
+        ids = request.prompt.target_ids
+        return tuple(TokenLogprob(ids[q], -q / 8, ((ids[q], -q / 8), *((100 + d, -q / 8 - 1 - d) for d in range(k - 1)))
+                                  [:k]) for q in range(1, len(ids)))
 
     def cancel(self, request_id):
         self.cancelled.append(request_id)

@@ -195,14 +195,15 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         watcher = asyncio.create_task(_watch_disconnect(request, lambda: _cancel_all(ids, channels)))
 
         async def collect(channel: Channel):
-            texts, tokens, entries = [], [], []
+            texts, tokens, entries, prompt = [], [], [], []
             while True:
                 ev = await channel.next()
                 texts.append(ev.text)
                 tokens += ev.token_ids
                 entries += ev.logprobs
+                prompt += ev.prompt_logprobs
                 if ev.final:
-                    return "".join(texts), tokens, entries, ev
+                    return "".join(texts), tokens, (entries, prompt), ev
 
         try:
             results = await asyncio.gather(*(collect(channel) for channel in channels))
@@ -216,8 +217,9 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         if failed is not None:
             raise _final_error(failed)
         choices = []
-        for i, (text, tokens, entries, ev) in enumerate(results):
-            logprobs = None if req.wanted_logprobs is None else _logprobs(entries, chat)
+        for i, (text, tokens, (entries, prompt_entries), ev) in enumerate(results):
+            logprobs = None if req.wanted_logprobs is None else \
+                _logprobs(entries, chat, prompt_entries, prompt_ids, echo)
             token_ids = tokens if req.return_token_ids else None
             if chat:
                 content, calls = tools.parse(text, req.tool_names) if req.offered_tools else (text, [])
@@ -230,9 +232,13 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         return JSONResponse(respond(ids, choices, _usage(finals), _speculation(finals),
                                     prompt_ids if req.return_token_ids else None))
 
-    def _logprobs(entries, chat: bool) -> dict:
-        format_ = protocol.chat_logprobs if chat else protocol.completion_logprobs
-        return format_(entries, app.state.prompter.piece)
+    def _logprobs(entries, chat: bool, prompt_entries=(), prompt_ids=(), echo: str = "") -> dict:
+        """OpenAI's logprobs object of output `entries` (with echo: after the prompt's tokens)."""
+        piece = app.state.prompter.piece
+        if chat:
+            return protocol.chat_logprobs(entries, piece)
+        prompt = (prompt_ids[0], prompt_entries) if echo and prompt_ids else None
+        return protocol.completion_logprobs(entries, piece, prompt, len(echo))
 
     async def _stream(request, req, ids, channels: list[Channel], chat: bool, prompt_ids, echo: str):
         usage = req.include_usage
@@ -242,7 +248,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
 
         def chunks(i: int, text: str, entries=(), final: bool = False) -> list[bytes]:
             """The frames of choice i's event; its tokens' log-probabilities ride on the first."""
-            logprobs = _logprobs(entries, chat) if entries and req.wanted_logprobs is not None else None
+            logprobs = _logprobs(entries, chat, echo=echo) if entries and req.wanted_logprobs is not None else None
             if not chat:
                 return [event(protocol.completion_chunk(ids, text, None, usage, logprobs=logprobs, index=i))] \
                     if text or logprobs else []
@@ -293,10 +299,14 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
                     if chat:
                         yield event(protocol.chat_chunk(ids, {"role": "assistant", "content": ""}, None, usage,
                                                         index=i))
-                    elif echo:
-                        yield event(protocol.completion_chunk(ids, echo, None, usage, index=i))
+                echoed = [not echo] * n  # a choice's echo goes with its first event, the prompt's figures with it
                 async with contextlib.aclosing(merged()) as stream:
                     async for i, ev in stream:
+                        if not echoed[i]:
+                            echoed[i] = True
+                            logprobs = None if req.wanted_logprobs is None else \
+                                _logprobs((), chat, ev.prompt_logprobs, prompt_ids, echo)
+                            yield event(protocol.completion_chunk(ids, echo, None, usage, logprobs=logprobs, index=i))
                         texts[i].append(ev.text)
                         if not ev.final:
                             for frame in chunks(i, ev.text, ev.logprobs):
@@ -396,7 +406,8 @@ def _generation_request(req, prompt, prompter, max_context: int, param: str, arr
     stop_ids = frozenset() if req.ignore_eos else prompter.stop_ids
     if req.stop_token_ids:
         stop_ids |= frozenset(prompter.checked_ids(req.stop_token_ids, "stop_token_ids"))
-    return GenerationRequest("", prompt, new, sampling, stop_ids, req.stop_strings, arrival, req.wanted_logprobs)
+    return GenerationRequest("", prompt, new, sampling, stop_ids, req.stop_strings, arrival, req.wanted_logprobs,
+                             getattr(req, "wanted_prompt_logprobs", None))
 
 
 def _authorise(request: Request, key: str | None) -> None:

@@ -3,7 +3,7 @@
 A request that fails validation is a 400 naming the field (`messages[1].role: Input should be
 'system', 'user' or 'assistant'`). Types are strict, as OpenAI's are: "5" is not a number.
 Fields a server does not know are ignored (clients send extras); fields hetero-run knows but
-cannot honour (echo with logprobs; a tool_choice that forces a call, a response format other
+cannot honour (a tool_choice that forces a call, a response format other
 than text, sampling penalties and logit biases) are a 400 naming them, as vLLM and llama-server
 refuse what they are not set up for: an answer that quietly ignored them would not be what was
 asked. The neutral values clients send by default (penalties of 0, an empty logit_bias,
@@ -14,8 +14,9 @@ calls come back as `tool_calls` (tools.py); "none" leaves them out of the prompt
 may carry earlier calls (an assistant message's `tool_calls`, its content null) and their results
 (`role: "tool"` messages).
 
-Log probabilities: chat `logprobs: true` (+ `top_logprobs` 0..20), completions `logprobs` 0..20,
-as OpenAI shapes them (`chat_logprobs`, `completion_logprobs`). They are the target's raw
+Log probabilities: chat `logprobs: true` (+ `top_logprobs` 0..20), completions `logprobs` 0..20
+(with `echo`, the prompt's tokens first), as OpenAI shapes them (`chat_logprobs`,
+`completion_logprobs`). They are the target's raw
 log-probabilities (log-softmax of its logits, before temperature, top-k and top-p: vLLM's
 default), computed on the rows that decided each token, so speculation changes none of them.
 
@@ -198,6 +199,11 @@ class CompletionRequest(_Request):
     def wanted_logprobs(self) -> int | None:
         return self.logprobs
 
+    @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        """With echo, the prompt's tokens are listed too, with their log-probabilities."""
+        return self.logprobs if self.echo else None
+
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value):
@@ -235,9 +241,6 @@ def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
         data.pop("logprobs")  # clients send logprobs: false to any route
     if kind is ChatRequest and data.get("top_logprobs") is not None and data.get("logprobs") is not True:
         raise bad_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    if kind is CompletionRequest and data.get("echo") is True and data.get("logprobs") is not None:
-        raise bad_request("echo with logprobs needs the prompt's log probabilities, which this server does not "
-                          "compute", "echo")
     for field, neutral, why in _NOT_HONOURED:
         if field in data and data[field] is not None and not neutral(data[field]):
             raise bad_request(why, field)
@@ -373,17 +376,36 @@ def chat_logprobs(entries, piece) -> dict:
                         for e in entries], "refusal": None}
 
 
-def completion_logprobs(entries, piece) -> dict:
+def completion_logprobs(entries, piece, prompt: tuple | None = None, base: int = 0) -> dict:
     """Completions `choices[].logprobs` (the legacy shape): tokens, their log-probabilities, per
     token the likeliest tokens and the token itself as {text: log-probability}, and where each
-    token's text starts in the output text."""
-    tops = []
+    token's text starts in the choice's text (`base` added to the output's offsets: the echoed
+    prompt's length). With echo, `prompt` = (the first prompt token, TokenLogprob entries of the
+    others) comes first: the first token has no figures (null), the offsets add up its tokens' texts."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def add(token_id: int, logprob, top, offset: int) -> None:
+        text = piece(token_id)[0]
+        out["tokens"].append(text)
+        out["text_offset"].append(offset)
+        out["token_logprobs"].append(None if logprob is None else _lp(logprob))
+        if logprob is None:
+            out["top_logprobs"].append(None)
+        else:
+            out["top_logprobs"].append({piece(i)[0]: _lp(lp) for i, lp in top})
+            out["top_logprobs"][-1].setdefault(text, _lp(logprob))
+
+    if prompt is not None:
+        first, others = prompt
+        add(first, None, (), 0)
+        offset, previous = 0, first
+        for e in others:
+            offset += len(piece(previous)[0])
+            add(e.token_id, e.logprob, e.top, offset)
+            previous = e.token_id
     for e in entries:
-        top = {piece(i)[0]: _lp(lp) for i, lp in e.top}
-        top.setdefault(piece(e.token_id)[0], _lp(e.logprob))
-        tops.append(top)
-    return {"tokens": [piece(e.token_id)[0] for e in entries], "token_logprobs": [_lp(e.logprob) for e in entries],
-            "top_logprobs": tops, "text_offset": [e.offset for e in entries]}
+        add(e.token_id, e.logprob, e.top, base + e.offset)
+    return out
 
 
 def usage_chunk(ids: ResponseIds, obj: str, usage) -> dict:

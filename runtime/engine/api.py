@@ -41,6 +41,7 @@ class GenerationRequest:
     stop_strings: tuple[str, ...] = ()  # generation ends at the first match; the text is cut just before it
     arrival: float = field(default_factory=time.monotonic)
     logprobs: int | None = None  # None: none; k >= 0: each output token's log-probability and the k likeliest
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens from the second on (vLLM's name)
 
     @property
     def prompt_tokens(self) -> int:
@@ -103,6 +104,9 @@ class GenerationEvent:
     # with request.logprobs: the tokens whose text this event released (a token whose characters
     # are all held back comes with a later event; the tokens of a stop string never come)
     logprobs: tuple[TokenLogprob, ...] = ()
+    # with request.prompt_logprobs, on the event of the first output token: prompt tokens 1 .. n - 1
+    # (the first has none), their offsets 0
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def final(self) -> bool:

@@ -127,12 +127,12 @@ class LLMEngine:
             return
         planned = time.perf_counter()
         rounds = self.speculation.plan(scheduled, self.scheduler)  # rows of the sequences this step decides
-        batch, spans = self._batch(scheduled, rounds)
+        batch, spans, prompt_spans = self._batch(scheduled, rounds)
         begin = time.perf_counter()
         logits = self.runner.step(batch)
         seconds = time.perf_counter() - begin
         self.speculation.measured_forward(batch.rows, seconds)
-        emitted = self._postprocess(scheduled, rounds, spans, logits, seconds)
+        emitted = self._postprocess(scheduled, rounds, spans, prompt_spans, logits, seconds)
         if all(item.rows == 1 for item in scheduled):  # decode and verify rows only: what drafts add
             self.speculation.measured_step(batch.rows, time.perf_counter() - planned, emitted)
         self.steps += 1
@@ -142,11 +142,13 @@ class LLMEngine:
                       sum(r.plan.k for r in rounds.values()), emitted, (begin - planned) * 1e3, seconds * 1e3,
                       (time.perf_counter() - planned) * 1e3)
 
-    def _batch(self, scheduled: list[Scheduled], rounds: dict) -> tuple[ForwardBatch, list]:
+    def _batch(self, scheduled: list[Scheduled], rounds: dict) -> tuple[ForwardBatch, list, dict]:
         """One ForwardBatch: each sequence's pending positions, then its round's draft rows (a
         chain, or a tree whose rows attend to their ancestors); `spans[i]` locates sequence i's
-        logits rows (None: a prompt chunk that decides nothing)."""
+        logits rows (None: a prompt chunk that decides nothing); `prompt_spans[i]` those of the prompt
+        positions whose log-probabilities sequence i asked for."""
         ids, positions, seq_index, logical, prefix, logits_rows = [], [], [], [], [], []
+        prompt_spans: dict[int, tuple[int, range]] = {}  # i -> (its first logits row, the prompt positions read)
         extra_offsets, extras, tables, spans = [0], [], [], []
         copies, self._copies = self._copies, []
         trees = False
@@ -178,6 +180,10 @@ class LLMEngine:
             else:
                 prefix += list(range(start + 1, start + n + 1))
                 extra_offsets += [len(extras)] * n
+            if seq.prompt_rows_wanted:  # rows of prompt positions not yet read, before the deciding ones
+                read = range(max(start, len(seq.prompt_entries)), min(start + item.rows, seq.prompt_len - 1))
+                prompt_spans[i] = (len(logits_rows), read)
+                logits_rows += [first + q - start for q in read]
             if item.decides:
                 wanted = list(range(first + item.rows - 1, first + n))  # the pending token's row, then the drafts'
                 spans.append((len(logits_rows), len(wanted)))
@@ -192,9 +198,10 @@ class LLMEngine:
                              table, self.blocks.block_size, as_long(logits_rows),
                              as_long(extra_offsets) if trees else None, as_long(extras) if trees else None,
                              as_long(copies).T.contiguous() if copies else None)
-        return batch, spans
+        return batch, spans, prompt_spans
 
-    def _postprocess(self, scheduled: list[Scheduled], rounds: dict, spans: list, logits, seconds: float) -> int:
+    def _postprocess(self, scheduled: list[Scheduled], rounds: dict, spans: list, prompt_spans: dict, logits,
+                     seconds: float) -> int:
         """Verify and commit each sequence's rows; the tokens the step emitted."""
         now = time.monotonic()
         deciding = [i for i, span in enumerate(spans) if span is not None]
@@ -204,6 +211,8 @@ class LLMEngine:
         draft_rows, kept_tokens, emitted = [], [], 0
         for i, item in enumerate(scheduled):
             seq = item.seq
+            if i in prompt_spans:
+                self._read_prompt(seq, logits, *prompt_spans[i])
             if spans[i] is None:  # a prefill chunk that does not reach the prompt's end
                 seq.computed += item.rows
                 self.blocks.commit(seq.table, seq.token_ids, seq.computed)
@@ -236,7 +245,8 @@ class LLMEngine:
             if seq.first_token_at is None:
                 seq.first_token_at = now
             top = seq.request.logprobs
-            self._emit(seq, new, None if top is None else token_logprobs(rows, picked[:len(new)], new, top))
+            self._emit(seq, new, None if top is None else token_logprobs(rows, picked[:len(new)], new, top),
+                       first=r is None)
         self.speculation.measured_rounds(draft_rows, kept_tokens)
         return emitted
 
@@ -249,7 +259,14 @@ class LLMEngine:
                 src, dst = start + row, start + j
                 self._copies.append((blocks[src // b] * b + src % b, blocks[dst // b] * b + dst % b))
 
-    def _emit(self, seq: Sequence, new: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+    def _read_prompt(self, seq: Sequence, logits, first: int, positions: range) -> None:
+        """Prompt tokens' log-probabilities from the rows of `positions` (logits rows from `first`)."""
+        rows = list(range(first, first + len(positions)))
+        tokens = [seq.token_ids[q + 1] for q in positions]
+        seq.prompt_entries += token_logprobs(logits, rows, tokens, seq.request.prompt_logprobs)
+
+    def _emit(self, seq: Sequence, new: list[int], logprobs: list[TokenLogprob] | None = None,
+              first: bool = False) -> None:
         """Stream the tokens the round state appended (cut at a stop token or the length limit
         there), with their log-probabilities where asked; finish at a stop token, a stop string or
         the length limit."""
@@ -263,8 +280,9 @@ class LLMEngine:
         elif state.done or seq.generated >= request.max_new_tokens:
             reason = "length"
         released = _placed(seq.output.take())
+        prompt = tuple(seq.prompt_entries) if first and request.prompt_logprobs is not None else ()
         if text or new:
-            seq.sink(GenerationEvent(request.request_id, text, tuple(new), logprobs=released))
+            seq.sink(GenerationEvent(request.request_id, text, tuple(new), logprobs=released, prompt_logprobs=prompt))
         if reason is not None:
             self._finish(seq, reason)
 

@@ -64,7 +64,9 @@ class Scheduler:
         out = [x for x in out if x.seq.status is Status.RUNNING]  # a later one may have preempted an earlier
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            table = self.blocks.match(seq.token_ids, limit=len(seq.token_ids) - 1)
+            # a prompt whose log-probabilities are asked reuses no cached block past the rows read
+            limit = len(seq.prompt_entries) if seq.prompt_rows_wanted else len(seq.token_ids) - 1
+            table = self.blocks.match(seq.token_ids, limit=limit)
             cached = len(table.blocks) * self.blocks.block_size
             rows = min(len(seq.token_ids) - cached, budget)
             try:

@@ -55,6 +55,8 @@ class Sequence:
     accepted_per_position: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     started: float = field(default_factory=time.monotonic)
+    # with request.prompt_logprobs: entry j for prompt token j + 1, decided by the row of position j
+    prompt_entries: list = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -67,6 +69,11 @@ class Sequence:
     @property
     def generated(self) -> int:
         return len(self.token_ids) - self.prompt_len
+
+    @property
+    def prompt_rows_wanted(self) -> bool:
+        """Prompt positions whose logits are still to be read (their K/V cannot come from the cache)."""
+        return self.request.prompt_logprobs is not None and len(self.prompt_entries) < self.prompt_len - 1
 
     @property
     def pending(self) -> int:

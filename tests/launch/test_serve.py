@@ -109,6 +109,17 @@ def test_log_probabilities_come_with_the_speculative_servers_tokens(server, refe
     assert logprobs.text_offset == [len("".join(logprobs.tokens[:j])) for j in range(len(logprobs.tokens))]
     assert all(len(top) in (2, 3) and top[t] == lp for top, t, lp in
                zip(logprobs.top_logprobs, logprobs.tokens, logprobs.token_logprobs, strict=True))
+    # echo: the prompt's tokens first (read on rank 0 from the TP=2 rows of its prefill), the first without figures
+    echoed = client.completions.create(model="target", prompt=PROMPTS[1], max_tokens=NEW, temperature=0, logprobs=2,
+                                       echo=True)
+    both = echoed.choices[0].logprobs
+    assert echoed.choices[0].text == PROMPTS[1] + text.choices[0].text == "".join(both.tokens)
+    n = len(both.tokens) - len(logprobs.tokens)
+    assert both.tokens[n:] == logprobs.tokens and both.token_logprobs[n:] == logprobs.token_logprobs
+    assert both.token_logprobs[0] is None and both.top_logprobs[0] is None
+    assert all(lp <= 0 and top[t] == lp for top, t, lp in zip(both.top_logprobs[1:n], both.tokens[1:n],
+                                                               both.token_logprobs[1:n], strict=True))
+    assert both.text_offset == [len("".join(both.tokens[:j])) for j in range(len(both.tokens))]
 
 
 def stream_chat(client, prompt, **kw) -> tuple[str, list]:

@@ -40,7 +40,34 @@ def test_echo_puts_the_prompt_before_the_completion(engine):
     assert body["choices"][0]["text"] == "Hello wörld"
 
 
-def test_echo_with_logprobs_is_a_400_naming_echo(engine):
-    response = run(post(engine, "/v1/completions", {**PROMPT, "echo": True, "logprobs": 1}))
-    assert response.status_code == 400 and error_of(response)["param"] == "echo"
-    assert "prompt's log probabilities" in error_of(response)["message"] and not engine.requests
+def test_echo_with_logprobs_lists_the_prompts_tokens_first(engine):
+    """The legacy shape with echo: the prompt's tokens (the first without figures), then the
+    output's, offsets into the echoed text; streamed, the echo chunk carries the prompt's part."""
+    tokenizer = support.byte_level()
+    engine.token_ids = tokenizer("Hello world", add_special_tokens=False)["input_ids"][:2]
+    engine.pieces = [tokenizer.decode([i]) for i in engine.token_ids]
+    out = "".join(engine.pieces)
+    ids = tokenizer(PROMPT["prompt"], add_special_tokens=False)["input_ids"]
+    pieces = [tokenizer.decode([i]) for i in ids]
+    assert "".join(pieces) == PROMPT["prompt"] and len(ids) > 2
+    body = run(post(engine, "/v1/completions", {**PROMPT, "echo": True, "logprobs": 1})).json()
+    assert engine.requests[-1].prompt_logprobs == 1 and engine.requests[-1].logprobs == 1
+    logprobs = body["choices"][0]["logprobs"]
+    assert body["choices"][0]["text"] == PROMPT["prompt"] + out
+    assert logprobs["tokens"] == pieces + engine.pieces
+    assert logprobs["token_logprobs"] == [None] + [-q / 8 for q in range(1, len(ids))] + [-0.25, -0.5]
+    assert logprobs["top_logprobs"][0] is None
+    assert logprobs["top_logprobs"][1:len(ids)] == [{pieces[q]: -q / 8} for q in range(1, len(ids))]
+    starts = [len("".join(pieces[:q])) for q in range(len(ids))]
+    n = len(PROMPT["prompt"])
+    assert logprobs["text_offset"] == starts + [n, n + len(engine.pieces[0])]
+    chunks = parse_sse(run(post(engine, "/v1/completions", {**PROMPT, "echo": True, "logprobs": 1,
+                                                            "stream": True})).text)
+    first = chunks[0]["choices"][0]
+    assert first["text"] == PROMPT["prompt"] and first["logprobs"]["tokens"] == pieces
+    assert first["logprobs"]["text_offset"] == starts
+    rest = [c["choices"][0]["logprobs"] for c in chunks[1:-1] if c["choices"][0]["text"]]
+    assert [r["text_offset"] for r in rest] == [[n], [n + len(engine.pieces[0])]]
+    # without echo the prompt's figures are not asked for
+    run(post(engine, "/v1/completions", {**PROMPT, "logprobs": 1}))
+    assert engine.requests[-1].prompt_logprobs is None

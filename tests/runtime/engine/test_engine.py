@@ -5,6 +5,7 @@ and reports them, preemption recomputes exactly, cancellation frees everything, 
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -169,3 +170,45 @@ def test_stop_tokens_and_impossible_requests(target):
         engine.add(_request(9, ids, new=256), lambda e: None)
     with pytest.raises(UserError, match="the prompt is empty"):
         engine.add(_request(8, [], new=2), lambda e: None)
+
+
+def test_prompt_log_probabilities_over_chunks_and_past_the_prefix_cache(target):
+    """A prompt's log-probabilities (echo with logprobs) come from its own rows, read chunk by chunk:
+    the target's figures for every prompt token from the second on; a second request for the same
+    prompt computes them again rather than taking the cached blocks (equal bit for bit), while a
+    request that does not ask still reuses the cache; with preemption nothing is counted twice."""
+    path, tokenizer = target
+    ids = _prompts(1, seed=11)[0] * 3  # 9-117 tokens: several chunks of 16
+    top = 3
+    engine = LLMEngine(_runner(path), tokenizer, EngineConfig(max_num_seqs=2, max_num_batched_tokens=16))
+
+    def ask(i, prompt_logprobs=top):
+        request = replace(_request(i, ids, new=4), prompt_logprobs=prompt_logprobs)
+        out = _serve(engine, [request])
+        firsts = [e for e in out.events[request.request_id] if e.prompt_logprobs]
+        return out, firsts
+
+    a, firsts = ask(0)
+    assert len(firsts) == 1 and firsts[0].token_ids  # once, with the first output token
+    entries = firsts[0].prompt_logprobs
+    assert [e.token_id for e in entries] == ids[1:]
+    runner = _runner(path)
+    logits = runner.forward(torch.tensor(ids), torch.arange(len(ids)), num_logits=len(ids)).float()
+    expected = torch.log_softmax(logits[:-1], dim=-1)
+    for q, e in enumerate(entries):
+        assert abs(e.logprob - float(expected[q, ids[q + 1]])) < 1e-5
+        assert [i for i, _ in e.top] == expected[q].topk(top).indices.tolist()
+    b, again = ask(1)
+    assert again[0].prompt_logprobs == entries and b.final("r1").usage.cached_tokens == 0
+    c, none = ask(2, prompt_logprobs=None)
+    assert not none and c.final("r2").usage.cached_tokens > 0
+    assert a.tokens("r0") == b.tokens("r1") == c.tokens("r2")
+    # two requests in too few blocks: one is preempted mid-prompt or mid-answer and recomputed
+    small = LLMEngine(_runner(path, kv_tokens=len(ids) + 24, block_size=4), tokenizer,
+                      EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, enable_prefix_caching=False))
+    requests = [replace(_request(i, ids, new=12), prompt_logprobs=top) for i in (3, 4)]
+    out = _serve(small, requests)
+    assert small.scheduler.preemptions > 0
+    for r in requests:
+        got = [e for event in out.events[r.request_id] for e in event.prompt_logprobs]
+        assert got == list(entries), r.request_id
