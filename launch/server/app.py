@@ -217,7 +217,10 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         if failed is not None:
             raise _final_error(failed)
         choices = []
+        scores_only = getattr(req, "scores_only", False)
         for i, (text, tokens, (entries, prompt_entries), ev) in enumerate(results):
+            if scores_only:  # the token the prompt's last row decided is not part of the answer
+                text, tokens, entries, ev = "", [], [], replace(ev, finish_reason="length")
             logprobs = None if req.wanted_logprobs is None else \
                 _logprobs(entries, chat, prompt_entries, prompt_ids, echo)
             token_ids = tokens if req.return_token_ids else None
@@ -229,7 +232,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
                 choices.append(protocol.completion_choice(i, echo + text, ev.finish_reason, logprobs, token_ids))
         finals = [ev for *_, ev in results]
         respond = protocol.chat_response if chat else protocol.completion_response
-        return JSONResponse(respond(ids, choices, _usage(finals), _speculation(finals),
+        return JSONResponse(respond(ids, choices, _usage(finals, scores_only), _speculation(finals),
                                     prompt_ids if req.return_token_ids else None))
 
     def _logprobs(entries, chat: bool, prompt_entries=(), prompt_ids=(), echo: str = "") -> dict:
@@ -245,6 +248,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         obj = "chat.completion.chunk" if chat else "text_completion"
         n = len(channels)
         calls = [tools.CallStream(req.tool_names) if chat and req.offered_tools else None for _ in range(n)]
+        scores_only = getattr(req, "scores_only", False)  # the token decided after the prompt is not shown
 
         def chunks(i: int, text: str, entries=(), final: bool = False) -> list[bytes]:
             """The frames of choice i's event; its tokens' log-probabilities ride on the first."""
@@ -309,20 +313,20 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
                             yield event(protocol.completion_chunk(ids, echo, None, usage, logprobs=logprobs, index=i))
                         texts[i].append(ev.text)
                         if not ev.final:
-                            for frame in chunks(i, ev.text, ev.logprobs):
+                            for frame in () if scores_only else chunks(i, ev.text, ev.logprobs):
                                 yield frame
                             continue
                         _log_output(ids, ev, "".join(texts[i]))
                         if ev.finish_reason not in ("stop", "length"):
                             yield event(_final_error(ev).body())
                             break
-                        for frame in chunks(i, ev.text, ev.logprobs, final=True):
+                        for frame in () if scores_only else chunks(i, ev.text, ev.logprobs, final=True):
                             yield frame
-                        yield last(i, ev.finish_reason, ev.speculation)
+                        yield last(i, "length" if scores_only else ev.finish_reason, ev.speculation)
                         finals.append(ev)
                     else:
                         if usage:
-                            yield event(protocol.usage_chunk(ids, obj, _usage(finals)))
+                            yield event(protocol.usage_chunk(ids, obj, _usage(finals, scores_only)))
                 yield DONE
             finally:
                 watcher.cancel()
@@ -357,11 +361,12 @@ def _choice(generation: GenerationRequest, request_id: str, i: int, n: int) -> G
     return replace(generation, request_id=_choice_id(request_id, i, n), sampling=sampling)
 
 
-def _usage(finals) -> Usage:
+def _usage(finals, scores_only: bool = False) -> Usage:
     """The request's usage over its choices: the prompt once (and its cached tokens as the first
-    choice found them), the completions summed."""
+    choice found them), the completions summed (none when only the prompt was scored)."""
     first = finals[0].usage
-    return Usage(first.prompt_tokens, sum(ev.usage.completion_tokens for ev in finals), first.cached_tokens)
+    completion = 0 if scores_only else sum(ev.usage.completion_tokens for ev in finals)
+    return Usage(first.prompt_tokens, completion, first.cached_tokens)
 
 
 def _speculation(finals) -> SpeculationSummary | None:
@@ -397,6 +402,7 @@ def _generation_request(req, prompt, prompter, max_context: int, param: str, arr
         raise bad_request(f"the prompt has {n} tokens{wants}, but the context holds {max_context} tokens "
                           "(prompt + new tokens - 1 must fit)", param, n_prompt_tokens=n, n_ctx=max_context)
     new = req.new_tokens if req.new_tokens is not None else room
+    new = max(new, 1)  # scoring a prompt (max_tokens 0): its last row decides a token anyway, not shown
     try:
         sampling = SamplingParams(temperature=1.0 if req.temperature is None else req.temperature,
                                   top_p=1.0 if req.top_p is None else req.top_p, top_k=max(0, req.top_k or 0),

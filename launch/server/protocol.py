@@ -189,6 +189,8 @@ class ChatRequest(_Request):
 
 
 class CompletionRequest(_Request):
+    # 0 with echo: score the prompt (its text and, with logprobs, its tokens' figures), generate nothing
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
         list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
     echo: bool = False  # the prompt's text before the completion's
@@ -203,6 +205,12 @@ class CompletionRequest(_Request):
     def wanted_prompt_logprobs(self) -> int | None:
         """With echo, the prompt's tokens are listed too, with their log-probabilities."""
         return self.logprobs if self.echo else None
+
+    @property
+    def scores_only(self) -> bool:
+        """max_tokens 0 (with echo): the answer is the prompt alone, its tokens scored."""
+        return self.max_tokens == 0
+
 
     @field_validator("prompt")
     @classmethod
@@ -245,9 +253,12 @@ def parse(kind: type[BaseModel], body: bytes) -> BaseModel:
         if field in data and data[field] is not None and not neutral(data[field]):
             raise bad_request(why, field)
     try:
-        return kind.model_validate(data)
+        request = kind.model_validate(data)
     except ValidationError as exc:
         raise _field_error(exc) from None
+    if isinstance(request, CompletionRequest) and request.max_tokens == 0 and not request.echo:
+        raise bad_request("0 scores the prompt without generating and needs echo: true", "max_tokens")
+    return request
 
 
 # (field, whether its value asks for nothing, the 400's message)

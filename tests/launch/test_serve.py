@@ -120,6 +120,10 @@ def test_log_probabilities_come_with_the_speculative_servers_tokens(server, refe
     assert all(lp <= 0 and top[t] == lp for top, t, lp in zip(both.top_logprobs[1:n], both.tokens[1:n],
                                                                both.token_logprobs[1:n], strict=True))
     assert both.text_offset == [len("".join(both.tokens[:j])) for j in range(len(both.tokens))]
+    scored = client.completions.create(model="target", prompt=PROMPTS[1], max_tokens=0, logprobs=2, echo=True)
+    assert scored.choices[0].text == PROMPTS[1] and scored.usage.completion_tokens == 0
+    assert scored.choices[0].logprobs.tokens == both.tokens[:n]
+    assert scored.choices[0].logprobs.token_logprobs == both.token_logprobs[:n]
 
 
 def stream_chat(client, prompt, **kw) -> tuple[str, list]:

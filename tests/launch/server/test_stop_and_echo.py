@@ -71,3 +71,28 @@ def test_echo_with_logprobs_lists_the_prompts_tokens_first(engine):
     # without echo the prompt's figures are not asked for
     run(post(engine, "/v1/completions", {**PROMPT, "logprobs": 1}))
     assert engine.requests[-1].prompt_logprobs is None
+
+
+def test_max_tokens_0_with_echo_scores_the_prompt_and_shows_no_answer(engine):
+    tokenizer = support.byte_level()
+    ids = tokenizer(PROMPT["prompt"], add_special_tokens=False)["input_ids"]
+    body = run(post(engine, "/v1/completions", {**PROMPT, "max_tokens": 0, "echo": True, "logprobs": 0})).json()
+    choice = body["choices"][0]
+    assert choice["text"] == PROMPT["prompt"] and choice["finish_reason"] == "length"
+    assert choice["logprobs"]["tokens"] == [tokenizer.decode([i]) for i in ids]
+    assert choice["logprobs"]["token_logprobs"] == [None] + [-q / 8 for q in range(1, len(ids))]
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(ids)
+    assert engine.requests[-1].max_new_tokens == 1 and engine.requests[-1].prompt_logprobs == 0
+    chunks = parse_sse(run(post(engine, "/v1/completions", {**PROMPT, "max_tokens": 0, "echo": True, "stream": True,
+                                                            "stream_options": {"include_usage": True}})).text)
+    assert [c["choices"][0]["text"] for c in chunks[:-2]] == [PROMPT["prompt"], ""]
+    assert chunks[-3]["choices"][0]["finish_reason"] == "length" and chunks[-2]["usage"]["completion_tokens"] == 0
+
+
+@pytest.mark.parametrize("path, body", [("/v1/completions", {**PROMPT, "max_tokens": 0}),
+                                        ("/v1/completions", {**PROMPT, "max_tokens": 0, "echo": False}),
+                                        ("/v1/chat/completions", {**CHAT, "max_tokens": 0, "echo": True})])
+def test_max_tokens_0_without_echo_or_in_chat_is_a_400(engine, path, body):
+    response = run(post(engine, path, body))
+    assert response.status_code == 400 and error_of(response)["param"] == "max_tokens"
+    assert not engine.requests
