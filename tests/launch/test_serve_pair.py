@@ -52,3 +52,29 @@ def test_real_pair_chat_equals_generate(tmp_path):
         assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
     finally:
         stop_server(server)
+
+
+def test_real_pair_log_probabilities_under_speculation_are_the_target_alones(tmp_path):
+    """TP=2: every log-probability entry (token, figure, bytes, top 5) of the slem server equals the
+    server without speculation, for the answer and, with echo, for the prompt."""
+    servers = {}
+    try:
+        for name, drafter, flags in (("slem", DRAFTER, FLAGS), ("none", None, ("--algorithm", "none", "--context",
+                                                                                 "2048"))):
+            servers[name] = start_server(TARGET, drafter, tmp_path / name, *flags, "--dtype", "auto",
+                                         "--api-key", API_KEY, timeout=600)
+        answers = {}
+        for name, server in servers.items():
+            client = server.client(timeout=600)
+            chat = client.chat.completions.create(model=TARGET.name, messages=[{"role": "user", "content": PROMPT}],
+                                                  max_tokens=48, temperature=0, logprobs=True, top_logprobs=5)
+            text = client.completions.create(model=TARGET.name, prompt="def fibonacci(n):", max_tokens=32,
+                                             temperature=0, logprobs=5, echo=True)
+            answers[name] = (chat.choices[0].logprobs.model_dump(), text.choices[0].logprobs.model_dump(),
+                             chat.model_extra["speculation"])
+        assert answers["slem"][:2] == answers["none"][:2]
+        assert answers["slem"][2]["accepted_tokens"] > 0 and answers["none"][2]["draft_tokens"] == 0
+        assert len(answers["none"][0]["content"]) == 48
+    finally:
+        for server in servers.values():
+            stop_server(server)
