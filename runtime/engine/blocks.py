@@ -106,6 +106,14 @@ class BlockManager:
         del table.blocks[keep:]
         del table.keys[keep:]
 
+    def prefix_keys(self, token_ids: list[int], tokens: int) -> list[bytes]:
+        """The keys the full blocks among the first `tokens` of `token_ids` will have once committed."""
+        keys: list[bytes] = []
+        b = self.block_size
+        for i in range(min(tokens, len(token_ids)) // b):
+            keys.append(block_key(keys[-1] if keys else b"", token_ids[i * b:(i + 1) * b]))
+        return keys
+
     def commit(self, table: BlockTable, token_ids: list[int], committed: int) -> None:
         """The first `committed` tokens of this sequence are final (their K/V written and kept):
         key its full blocks among them, so later sequences can reuse them."""

@@ -6,7 +6,11 @@ speculation planner may add draft rows after); then prefilling ones, oldest firs
 of its prompt from what is left of the budget, so a long prompt never stalls the others'
 decoding. Then waiting sequences are admitted in arrival order while
 the budget, the sequence cap and the free blocks allow, each starting from the longest prefix
-the prefix cache holds. When a running sequence cannot get a block, the newest running
+the prefix cache holds. A waiting sequence whose next prompt block a running one is computing
+now (the same system prompt arriving twice at once, `n` choices of one prompt) waits until that
+block is cached rather than compute it a second time: the queue stays in order, and the one it
+waits for is running, so it moves on within that prefill. When a running sequence cannot get a
+block, the newest running
 sequence is preempted (its blocks freed; it is recomputed from its tokens when readmitted, at
 the front of the queue), so the oldest always progress and no request starves.
 """
@@ -62,11 +66,16 @@ class Scheduler:
             out.append(Scheduled(seq, rows))
             budget -= rows
         out = [x for x in out if x.seq.status is Status.RUNNING]  # a later one may have preempted an earlier
+        computing = self._computing()
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             # a prompt whose log-probabilities are asked reuses no cached block past the rows read
             limit = len(seq.prompt_entries) if seq.prompt_rows_wanted else len(seq.token_ids) - 1
             table = self.blocks.match(seq.token_ids, limit=limit)
+            keys = self._prompt_keys(seq)
+            if not seq.prompt_rows_wanted and len(table.blocks) < len(keys) and keys[len(table.blocks)] in computing:
+                self.blocks.release(table)  # its next block is being computed: take it from the cache later
+                break
             cached = len(table.blocks) * self.blocks.block_size
             rows = min(len(seq.token_ids) - cached, budget)
             try:
@@ -81,7 +90,23 @@ class Scheduler:
             self.running.append(seq)
             out.append(Scheduled(seq, rows))
             budget -= rows
+            computing.update(keys[cached // self.blocks.block_size:])  # what it computes from now on
         return out
+
+    def _prompt_keys(self, seq: Sequence) -> list[bytes]:
+        if not self.blocks.prefix_caching:
+            return []
+        if seq.prompt_keys is None:
+            seq.prompt_keys = self.blocks.prefix_keys(seq.token_ids, seq.prompt_len)
+        return seq.prompt_keys
+
+    def _computing(self) -> set[bytes]:
+        """Keys of the full prompt blocks that running sequences have yet to commit."""
+        keys: set[bytes] = set()
+        for seq in self.running:
+            if seq.computed < seq.prompt_len:
+                keys.update(self._prompt_keys(seq)[len(seq.table.keys):])
+        return keys
 
     def _make_room(self, seq: Sequence, tokens: int) -> bool:
         """Grow seq's table to `tokens` positions, preempting the newest running sequences as

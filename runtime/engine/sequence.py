@@ -57,6 +57,7 @@ class Sequence:
     started: float = field(default_factory=time.monotonic)
     # with request.prompt_logprobs: entry j for prompt token j + 1, decided by the row of position j
     prompt_entries: list = field(default_factory=list)
+    prompt_keys: list | None = None  # the prefix keys of its prompt's full blocks (the scheduler's, once)
 
     @property
     def request_id(self) -> str:

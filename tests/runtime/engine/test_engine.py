@@ -212,3 +212,21 @@ def test_prompt_log_probabilities_over_chunks_and_past_the_prefix_cache(target):
     for r in requests:
         got = [e for event in out.events[r.request_id] for e in event.prompt_logprobs]
         assert got == list(entries), r.request_id
+
+
+def test_the_same_prompt_arriving_twice_at_once_is_computed_once(target):
+    """Two requests for one prompt (n choices, a system prompt of a burst) submitted together: the
+    second waits while the first computes the shared blocks, then takes them from the cache; a
+    request behind them with another prompt still runs; every output is what it is alone."""
+    path, tokenizer = target
+    ids = _prompts(1, seed=13)[0] * 3 + [7]
+    other = _prompts(1, seed=14)[0]
+    # a budget that holds both prompts: without waiting, the second would be computed beside the first
+    engine = LLMEngine(_runner(path), tokenizer, EngineConfig(max_num_seqs=3, max_num_batched_tokens=2 * len(ids)))
+    requests = [_request(0, ids), _request(1, ids), _request(2, other)]
+    out = _serve(engine, requests)
+    assert out.final("r0").usage.cached_tokens == 0
+    assert out.final("r1").usage.cached_tokens == (len(ids) - 1) // 4 * 4 > 0
+    for r in requests:
+        assert out.tokens(r.request_id) == _alone(path, tokenizer, r), r.request_id
+    assert engine.blocks.num_free == engine.blocks.num_blocks
