@@ -217,7 +217,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         if failed is not None:
             raise _final_error(failed)
         choices = []
-        scores_only = getattr(req, "scores_only", False)
+        scores_only = req.scores_only
         for i, (text, tokens, (entries, prompt_entries), ev) in enumerate(results):
             if scores_only:  # the token the prompt's last row decided is not part of the answer
                 text, tokens, entries, ev = "", [], [], replace(ev, finish_reason="length")
@@ -248,7 +248,7 @@ def create_app(engine, settings: ServerSettings, metrics) -> FastAPI:
         obj = "chat.completion.chunk" if chat else "text_completion"
         n = len(channels)
         calls = [tools.CallStream(req.tool_names) if chat and req.offered_tools else None for _ in range(n)]
-        scores_only = getattr(req, "scores_only", False)  # the token decided after the prompt is not shown
+        scores_only = req.scores_only  # the token decided after the prompt is not shown
 
         def chunks(i: int, text: str, entries=(), final: bool = False) -> list[bytes]:
             """The frames of choice i's event; its tokens' log-probabilities ride on the first."""
@@ -413,7 +413,7 @@ def _generation_request(req, prompt, prompter, max_context: int, param: str, arr
     if req.stop_token_ids:
         stop_ids |= frozenset(prompter.checked_ids(req.stop_token_ids, "stop_token_ids"))
     return GenerationRequest("", prompt, new, sampling, stop_ids, req.stop_strings, arrival, req.wanted_logprobs,
-                             getattr(req, "wanted_prompt_logprobs", None))
+                             req.wanted_prompt_logprobs)
 
 
 def _authorise(request: Request, key: str | None) -> None:

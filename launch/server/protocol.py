@@ -77,6 +77,14 @@ class _Request(BaseModel):
         return self.n or 1
 
     @property
+    def wanted_prompt_logprobs(self) -> int | None:
+        return None  # completions with echo only
+
+    @property
+    def scores_only(self) -> bool:
+        return False  # completions with echo only
+
+    @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
