@@ -179,6 +179,9 @@ class SpeculativeSequence:
         if policy == "none" or room < 2 or (priced and not self.drafts_can_pay):
             return self._label(self._empty(), "none")
         if policy == "model":
+            # a chain emits at most one token per row: rows past the length limit would be
+            # drafted and verified only to be thrown away
+            room = min(room, self.max_new_tokens - len(self.token_ids))
             self.k = self._model_k(self.lengths[self.model_name].next(), room)
             self.model_plan = self._propose(room)
             return self._label(self.model_plan, self.model_name if self.k else "none")

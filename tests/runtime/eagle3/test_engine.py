@@ -51,7 +51,7 @@ def test_greedy_output_is_the_target_alones(arch, layout, kind):
         result = engine.generate(prompt, NEW, stop_ids=set())
         assert result.token_ids == reference(arch, prompt), (arch, layout, kind, prompt)
         drafted += result.drafted
-    assert drafted > 0 and set(result.algorithms) == {"eagle3"}
+    assert drafted > 0 and set(result.algorithms[:-1]) == {"eagle3"}  # the last: one token left
     if kind == "aligned":  # one draft token a round, so the figure does not depend on measured timings
         engine, _ = setup(arch, layout, kind, adaptive=False, draft_len=1)
         results = [engine.generate(prompt, NEW, stop_ids=set()) for prompt in PROMPTS]
@@ -66,10 +66,15 @@ def test_fixed_draft_lengths_keep_the_head_cache_right(draft_len):
     drafter = engine.drafter.model
     result = engine.generate(PROMPTS[0], NEW, stop_ids=set())
     assert result.token_ids == reference("qwen3", PROMPTS[0]) and result.accepted > 0
-    # every committed token the target has run was (re-)run by the head with the target's states
+    # every committed token the target has run was (re-)run by the head with the target's states,
+    # up to the last round that drafted (a last round with one token left to emit drafts nothing,
+    # so the head does not read the round before it)
     committed = runner.length
-    assert drafter.exact >= committed - 1 - draft_len
-    assert drafter.tokens[:committed] == engine_ids(result, PROMPTS[0])[:committed]
+    unread = draft_len + 1 if result.draft_lengths[-1] == 0 else 0
+    assert drafter.exact >= committed - 1 - draft_len - unread
+    seen = min(committed, len(drafter.tokens))
+    assert seen >= committed - 1 - draft_len - unread
+    assert drafter.tokens[:seen] == engine_ids(result, PROMPTS[0])[:seen]
 
 
 def engine_ids(result, prompt: str) -> list[int]:
