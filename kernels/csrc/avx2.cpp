@@ -26,14 +26,6 @@ struct Avx2Fma {
   }
 };
 
-// The horizontal sum of 8 floats, one fixed tree: (l + l+4), then (l + l+2), then (l + l+1).
-HR_AVX2 inline float reduce8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
-
 // As rows_avx512.h's dot_block: two accumulators over k in steps of 2V, the tail in steps of V
 // into the first, then a0 + a1 reduced; one order per (weight row, x row) whatever R, G and n.
 // Registers: R * G * 2 accumulators + R weight vectors + one x vector, at most 15 of 16.

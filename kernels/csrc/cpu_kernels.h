@@ -39,6 +39,7 @@ void set_allowed_features(int mask);
 inline bool supported(int feature) { return (supported_features() & feature) != 0; }
 inline bool allowed(int feature) { return (allowed_features() & feature) != 0; }
 // Allowed (for the decode_ops kernels, which predate the per-path choice).
+bool has_avx2();
 bool has_avx512();
 bool has_avx512_bf16();
 bool has_amx();
@@ -102,6 +103,64 @@ HR_AVX512 inline __m256i round_bf16x16(__m512 v) {
 // v rounded to bf16 and widened back to float32 (its low 16 bits zero).
 HR_AVX512 inline __m512 through_bf16(__m512 v) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(round_bf16x16(v)), 16));
+}
+
+// The same for 8 floats on AVX2 (round_bf16's bits; the packing saturates nothing, every rounded
+// value lies in 0 .. 0xFFFF).
+HR_AVX2 inline __m128i round_bf16x8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i top = _mm256_srli_epi32(bits, 16);
+  __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_and_si256(top, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF))),
+      16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(top, _mm256_set1_epi32(0x40)), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+HR_AVX2 inline __m256 widen_bf16x8(__m128i h) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+HR_AVX2 inline __m256 through_bf16x8(__m256 v) { return widen_bf16x8(round_bf16x8(v)); }
+
+// The horizontal sum of 8 floats, one fixed tree: (l + l+4), then (l + l+2), then (l + l+1).
+HR_AVX2 inline float reduce8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+HR_AVX2 inline float max8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// Lanes 0 .. left - 1 of 8 (all-ones bits), for tails handled in a zero-padded copy.
+HR_AVX2 inline __m256 first_lanes8(int64_t left) {
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(left, 8))),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+// e^x for x <= 88 (below -87 clamped there: about 2^-125.5, never 0 or NaN): 2^n * e^r with
+// |r| <= ln2 / 2, e^r by a degree-6 polynomial (relative error about 2e-7), 2^n built in the
+// exponent bits (n >= -126: always a normal number).
+HR_AVX2 inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);  // ln 2 in two parts
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i two_n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_n));
 }
 #endif
 

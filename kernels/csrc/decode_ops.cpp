@@ -174,15 +174,84 @@ HR_AVX512 void rms_norm_avx512(const T* x, const T* w, int64_t d, float eps, T* 
   const __m512 r = _mm512_set1_ps(1.f / std::sqrt(_mm512_reduce_add_ps(ss) / static_cast<float>(d) + eps));
   for (int64_t e = 0; e < d; e += 16) store16(y + e, _mm512_mul_ps(_mm512_mul_ps(load16(x + e), r), load16(w + e)));
 }
+
+// ---------------------------------------------------------------- AVX2 (d a multiple of 8)
+//
+// The same steps 8 lanes wide (a CPU without AVX-512: Zen 3, many client CPUs). Tails are taken
+// in a zero-padded copy, masked where they feed a sum, so every key or element takes the same
+// operations wherever it lies.
+
+HR_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+HR_AVX2 inline __m256 load8(const uint16_t* p) { return widen_bf16x8(_mm_loadu_si128((const __m128i*)p)); }
+HR_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+HR_AVX2 inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), round_bf16x8(v)); }
+
+template <typename T, typename Slots>
+HR_AVX2 void attend_avx2(const T* q, const T* k, const T* v, int64_t keys, int64_t d, int64_t key_stride, float scale,
+                         float* scores, T* out, Slots slot) {
+  const int64_t parts = d / 8;
+  __m256 qv[kMaxD / 8];
+  for (int64_t c = 0; c < parts; ++c) qv[c] = _mm256_mul_ps(load8(q + 8 * c), _mm256_set1_ps(scale));
+  for (int64_t j = 0; j < keys; ++j) {
+    const T* kj = k + slot[j] * key_stride;
+    __m256 s = _mm256_mul_ps(qv[0], load8(kj));
+    for (int64_t c = 1; c < parts; ++c) s = _mm256_fmadd_ps(qv[c], load8(kj + 8 * c), s);
+    scores[j] = reduce8(s);
+  }
+  __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + 8 <= keys; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(scores + j));
+  float m = max8(top);
+  for (; j < keys; ++j) m = std::max(m, scores[j]);
+  const __m256 mv = _mm256_set1_ps(m);
+  __m256 sum = _mm256_setzero_ps();
+  for (j = 0; j + 8 <= keys; j += 8) {
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + j), mv));
+    _mm256_storeu_ps(scores + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  if (j < keys) {
+    alignas(32) float part[8] = {};
+    std::memcpy(part, scores + j, (keys - j) * sizeof(float));
+    const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_load_ps(part), mv)), first_lanes8(keys - j));
+    _mm256_store_ps(part, p);
+    std::memcpy(scores + j, part, (keys - j) * sizeof(float));
+    sum = _mm256_add_ps(sum, p);
+  }
+  __m256 acc[kMaxD / 8];
+  for (int64_t c = 0; c < parts; ++c) acc[c] = _mm256_setzero_ps();
+  for (j = 0; j < keys; ++j) {
+    const T* vj = v + slot[j] * key_stride;
+    const __m256 p = _mm256_set1_ps(scores[j]);
+    for (int64_t c = 0; c < parts; ++c) acc[c] = _mm256_fmadd_ps(p, load8(vj + 8 * c), acc[c]);
+  }
+  const __m256 inv = _mm256_set1_ps(1.f / reduce8(sum));
+  for (int64_t c = 0; c < parts; ++c) store8(out + 8 * c, _mm256_mul_ps(acc[c], inv));
+}
+
+template <typename T>
+HR_AVX2 void rms_norm_avx2(const T* x, const T* w, int64_t d, float eps, T* y) {
+  __m256 ss = _mm256_setzero_ps();
+  for (int64_t e = 0; e < d; e += 8) {
+    const __m256 xv = load8(x + e);
+    ss = _mm256_fmadd_ps(xv, xv, ss);
+  }
+  const __m256 r = _mm256_set1_ps(1.f / std::sqrt(reduce8(ss) / static_cast<float>(d) + eps));
+  for (int64_t e = 0; e < d; e += 8) store8(y + e, _mm256_mul_ps(_mm256_mul_ps(load8(x + e), r), load8(w + e)));
+}
 #endif
 
-bool vector_path(int64_t d) {
+// The vector width the attention and RMS norm loops take for head / row size d: 16 (AVX-512),
+// 8 (AVX2) or 0 (plain loops). It depends on the CPU and d only, never on the rows.
+int vector_width(int64_t d) {
 #if HR_X86
-  return has_avx512() && d % 16 == 0 && d <= kMaxD;
+  if (d > kMaxD) return 0;
+  if (has_avx512() && d % 16 == 0) return 16;
+  if (has_avx2() && d % 8 == 0) return 8;
 #else
   (void)d;
-  return false;
 #endif
+  return 0;
 }
 
 template <typename T>
@@ -195,7 +264,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   const T* vd = reinterpret_cast<const T*>(v.data_ptr());
   T* od = reinterpret_cast<T*>(out.data_ptr());
   const int64_t k_head = k.stride(0), v_head = v.stride(0), k_slot = k.stride(1);
-  const bool vec = vector_path(d);
+  const int vec = vector_width(d);
   at::parallel_for(0, n * heads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(start + n), acc(d);
     for (int64_t t = t0; t < t1; ++t) {
@@ -203,8 +272,12 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
       const T* qi = qd + (i * heads + h) * d;
       T* oi = od + (i * heads + h) * d;
 #if HR_X86
-      if (vec) {
+      if (vec == 16) {
         attend_avx512(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), oi, Contiguous{});
+        continue;
+      }
+      if (vec == 8) {
+        attend_avx2(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), oi, Contiguous{});
         continue;
       }
 #endif
@@ -248,7 +321,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
   const T* vd = reinterpret_cast<const T*>(v.data_ptr());
   T* od = reinterpret_cast<T*>(out.data_ptr());
   const int64_t k_head = k.stride(0), v_head = v.stride(0), k_slot = k.stride(1);
-  const bool vec = vector_path(d);
+  const int vec = vector_width(d);
   at::parallel_for(0, n * heads, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores(std::max<int64_t>(longest, 1)), acc(d);
     for (int64_t t = t0; t < t1; ++t) {
@@ -258,8 +331,12 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
       const T* qi = qd + (i * heads + h) * d;
       T* oi = od + (i * heads + h) * d;
 #if HR_X86
-      if (vec) {
+      if (vec == 16) {
         attend_avx512(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), oi, slot);
+        continue;
+      }
+      if (vec == 8) {
+        attend_avx2(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), oi, slot);
         continue;
       }
 #endif
@@ -312,11 +389,15 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, float eps, at::Tens
   const T* xd = reinterpret_cast<const T*>(x.data_ptr());
   const T* wd = reinterpret_cast<const T*>(w.data_ptr());
   T* yd = reinterpret_cast<T*>(y.data_ptr());
-  const bool vec = vector_path(d);
+  const int vec = vector_width(d);
   for (int64_t i = 0; i < n; ++i) {  // a few rows of a few thousand values: not worth waking threads
 #if HR_X86
-    if (vec) {
+    if (vec == 16) {
       rms_norm_avx512(xd + i * d, wd, d, eps, yd + i * d);
+      continue;
+    }
+    if (vec == 8) {
+      rms_norm_avx2(xd + i * d, wd, d, eps, yd + i * d);
       continue;
     }
 #endif
@@ -377,13 +458,38 @@ HR_AVX512 void silu_mul_avx512(const T* g, const T* u, int64_t f, T* y) {
 }
 #endif
 
+#if HR_X86
+// The same 8 lanes wide; the tail in a zero-padded copy.
+template <typename T>
+HR_AVX2 inline __m256 silu_times8(const T* g, const T* u) {
+  const __m256 gv = load8(g);
+  const __m256 neg = _mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), gv), _mm256_set1_ps(88.f));
+  const __m256 s = _mm256_and_ps(_mm256_cmp_ps(gv, _mm256_set1_ps(-88.f), _CMP_NLT_UQ),
+                                 _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(neg))));
+  return _mm256_mul_ps(s, load8(u));
+}
+
+template <typename T>
+HR_AVX2 void silu_mul_avx2(const T* g, const T* u, int64_t f, T* y) {
+  int64_t e = 0;
+  for (; e + 8 <= f; e += 8) store8(y + e, silu_times8(g + e, u + e));
+  if (e < f) {
+    T gp[8] = {}, up[8] = {}, yp[8];
+    std::memcpy(gp, g + e, (f - e) * sizeof(T));
+    std::memcpy(up, u + e, (f - e) * sizeof(T));
+    store8(yp, silu_times8(gp, up));
+    std::memcpy(y + e, yp, (f - e) * sizeof(T));
+  }
+}
+#endif
+
 template <typename T>
 void silu_mul_impl(const at::Tensor& x, at::Tensor& y) {
   const int64_t n = x.size(0), f = x.size(1) / 2;
   const T* xd = reinterpret_cast<const T*>(x.data_ptr());
   T* yd = reinterpret_cast<T*>(y.data_ptr());
 #if HR_X86
-  const bool vec = has_avx512();
+  const bool vec = has_avx512(), vec8 = has_avx2();
 #endif
   // about 1 ns an element: pieces of at least 16k elements are worth a thread
   const int64_t grain = std::max<int64_t>(1, (16 << 10) / std::max<int64_t>(f, 1));
@@ -392,6 +498,10 @@ void silu_mul_impl(const at::Tensor& x, at::Tensor& y) {
 #if HR_X86
       if (vec) {
         silu_mul_avx512(xd + i * 2 * f, xd + i * 2 * f + f, f, yd + i * f);
+        continue;
+      }
+      if (vec8) {
+        silu_mul_avx2(xd + i * 2 * f, xd + i * 2 * f + f, f, yd + i * f);
         continue;
       }
 #endif
@@ -439,6 +549,17 @@ HR_AVX512 void rope_avx512(const uint16_t* x, const uint16_t* c, const uint16_t*
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + e), round_bf16x16(_mm512_add_ps(a, b)));
   }
 }
+
+// d / 2 a multiple of 8
+HR_AVX2 void rope_avx2(const uint16_t* x, const uint16_t* c, const uint16_t* sn, int64_t d, uint16_t* out) {
+  const int64_t half = d / 2;
+  for (int64_t e = 0; e < d; e += 8) {
+    const __m256 r = load8(x + (e < half ? e + half : e - half));
+    const __m256 a = through_bf16x8(_mm256_mul_ps(load8(x + e), load8(c + e)));
+    const __m256 b = through_bf16x8(_mm256_mul_ps(r, load8(sn + e)));
+    store8(out + e, _mm256_add_ps(a, b));
+  }
+}
 #endif
 
 at::Tensor rope_write(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
@@ -471,7 +592,7 @@ at::Tensor rope_write(const at::Tensor& qk, const at::Tensor& v, const at::Tenso
   auto* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr());
   auto* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr());
 #if HR_X86
-  const bool vec = has_avx512() && (d / 2) % 16 == 0;
+  const bool vec = has_avx512() && (d / 2) % 16 == 0, vec8 = has_avx2() && (d / 2) % 8 == 0;
 #endif
   for (int64_t i = 0; i < n; ++i) {  // a few rows of a few heads: not worth waking threads
     for (int64_t h = 0; h < all; ++h) {
@@ -480,6 +601,10 @@ at::Tensor rope_write(const at::Tensor& qk, const at::Tensor& v, const at::Tenso
 #if HR_X86
       if (vec) {
         rope_avx512(src, cd + i * d, sn + i * d, d, dst);
+        continue;
+      }
+      if (vec8) {
+        rope_avx2(src, cd + i * d, sn + i * d, d, dst);
         continue;
       }
 #endif
@@ -535,6 +660,44 @@ HR_AVX512 int64_t argmax_avx512(const float* x, int64_t v) {
                                                    where);
   return _mm512_reduce_min_epi32(candidates);
 }
+
+// The same 8 lanes wide; a tail is padded with -inf (never greater, never a NaN).
+struct Argmax8 {
+  __m256 best, nan;
+  __m256i where, idx;
+};
+
+HR_AVX2 inline void argmax_take(Argmax8& a, __m256 xv) {
+  a.nan = _mm256_or_ps(a.nan, _mm256_cmp_ps(xv, xv, _CMP_UNORD_Q));
+  const __m256 more = _mm256_cmp_ps(xv, a.best, _CMP_GT_OQ);
+  a.best = _mm256_blendv_ps(a.best, xv, more);
+  a.where = _mm256_blendv_epi8(a.where, a.idx, _mm256_castps_si256(more));
+  a.idx = _mm256_add_epi32(a.idx, _mm256_set1_epi32(8));
+}
+
+HR_AVX2 int64_t argmax_avx2(const float* x, int64_t v) {
+  Argmax8 a{_mm256_set1_ps(-std::numeric_limits<float>::infinity()), _mm256_setzero_ps(),
+            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)};
+  int64_t e = 0;
+  for (; e + 8 <= v; e += 8) argmax_take(a, _mm256_loadu_ps(x + e));
+  if (e < v) {
+    alignas(32) float part[8];
+    for (int k = 0; k < 8; ++k) part[k] = e + k < v ? x[e + k] : -std::numeric_limits<float>::infinity();
+    argmax_take(a, _mm256_load_ps(part));
+  }
+  const __m256 best = a.best, nan = a.nan;
+  const __m256i where = a.where;
+  if (_mm256_movemask_ps(nan)) return argmax_generic(x, v);
+  alignas(32) float b[8];
+  alignas(32) int32_t w[8];
+  _mm256_store_ps(b, best);
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w), where);
+  const float top = max8(best);
+  int32_t first = std::numeric_limits<int32_t>::max();
+  for (int k = 0; k < 8; ++k)
+    if (b[k] == top) first = std::min(first, w[k]);
+  return first;
+}
 #endif
 
 at::Tensor row_argmax(const at::Tensor& x) {
@@ -546,12 +709,16 @@ at::Tensor row_argmax(const at::Tensor& x) {
   const float* xd = x.data_ptr<float>();
   int64_t* od = out.data_ptr<int64_t>();
 #if HR_X86
-  const bool vec = has_avx512();
+  const bool vec = has_avx512(), vec8 = has_avx2();
 #endif
   for (int64_t i = 0; i < n; ++i) {  // a row streams in about 30 us: not worth waking threads
 #if HR_X86
     if (vec) {
       od[i] = argmax_avx512(xd + i * v, v);
+      continue;
+    }
+    if (vec8) {
+      od[i] = argmax_avx2(xd + i * v, v);
       continue;
     }
 #endif

@@ -35,6 +35,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "cpu_kernels.h"
 #include "linear_rows.h"
 
 #include <atomic>
@@ -56,6 +57,7 @@
 #define DS_X86 1
 #include <immintrin.h>
 #define DS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define DS_AVX2 __attribute__((target("avx2,fma")))
 #else
 #define DS_X86 0
 #endif
@@ -65,14 +67,14 @@ namespace {
 
 using at::Tensor;
 
-bool vector_isa() {
+// The vector width of the loops between the projections: 16 (AVX-512), 8 (AVX2) or 0 (plain
+// loops), as the linear ops' self-tested choice allows (tests restrict it to force each one).
+int vector_width() {
 #if DS_X86
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  return ok;
-#else
-  return false;
+  if (hetero_run_cpu::has_avx512()) return 16;
+  if (hetero_run_cpu::has_avx2()) return 8;
 #endif
+  return 0;
 }
 
 inline float widen(float v) { return v; }
@@ -157,18 +159,68 @@ DS_AVX512 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 DS_AVX512 inline __m512 load16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
+
+// The same 8 lanes wide (AVX2); tails in a zero-padded copy.
+using hetero_run_cpu::exp8;
+using hetero_run_cpu::first_lanes8;
+using hetero_run_cpu::max8;
+using hetero_run_cpu::reduce8;
+
+DS_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+DS_AVX2 inline __m256 load8(const uint16_t* p) { return hetero_run_cpu::widen_bf16x8(_mm_loadu_si128((const __m128i*)p)); }
+DS_AVX2 inline __m256 load8(const float* p, int64_t left) {  // left < 8: the rest zero
+  alignas(32) float part[8] = {};
+  std::memcpy(part, p, left * sizeof(float));
+  return _mm256_load_ps(part);
+}
+DS_AVX2 inline void store8(float* p, __m256 v, int64_t left) {
+  alignas(32) float part[8];
+  _mm256_store_ps(part, v);
+  std::memcpy(p, part, std::min<int64_t>(left, 8) * sizeof(float));
+}
+
+DS_AVX2 void rms_norm_avx2(const float* x, const float* w, int64_t d, float eps, float* y) {
+  __m256 ss = _mm256_setzero_ps();
+  int64_t e = 0;
+  for (; e + 8 <= d; e += 8) {
+    const __m256 v = load8(x + e);
+    ss = _mm256_fmadd_ps(v, v, ss);
+  }
+  if (e < d) {
+    const __m256 v = load8(x + e, d - e);
+    ss = _mm256_fmadd_ps(v, v, ss);
+  }
+  const __m256 r = _mm256_set1_ps(1.f / std::sqrt(reduce8(ss) / static_cast<float>(d) + eps));
+  for (e = 0; e + 8 <= d; e += 8) _mm256_storeu_ps(y + e, _mm256_mul_ps(_mm256_mul_ps(load8(x + e), r), load8(w + e)));
+  if (e < d) store8(y + e, _mm256_mul_ps(_mm256_mul_ps(load8(x + e, d - e), r), load8(w + e, d - e)), d - e);
+}
+
+DS_AVX2 inline __m256 silu_times8(__m256 g, __m256 u) {
+  return _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))),
+                       u);
+}
+
+DS_AVX2 void silu_mul_avx2(const float* gate, const float* up, int64_t d, float* act) {
+  int64_t e = 0;
+  for (; e + 8 <= d; e += 8) _mm256_storeu_ps(act + e, silu_times8(load8(gate + e), load8(up + e)));
+  if (e < d) store8(act + e, silu_times8(load8(gate + e, d - e), load8(up + e, d - e)), d - e);
+}
 #endif
 
 void rms_norm_row(const float* x, const float* w, int64_t d, float eps, float* y) {
 #if DS_X86
-  if (vector_isa()) return rms_norm_avx512(x, w, d, eps, y);
+  const int width = vector_width();
+  if (width == 16) return rms_norm_avx512(x, w, d, eps, y);
+  if (width == 8) return rms_norm_avx2(x, w, d, eps, y);
 #endif
   rms_norm_scalar(x, w, d, eps, y);
 }
 
 void silu_mul_row(const float* gate, const float* up, int64_t d, float* act) {
 #if DS_X86
-  if (vector_isa()) return silu_mul_avx512(gate, up, d, act);
+  const int width = vector_width();
+  if (width == 16) return silu_mul_avx512(gate, up, d, act);
+  if (width == 8) return silu_mul_avx2(gate, up, d, act);
 #endif
   for (int64_t e = 0; e < d; ++e) act[e] = silu_scalar(gate[e]) * up[e];
 }
@@ -263,13 +315,78 @@ DS_AVX512 void attend_avx512(const float* q, int64_t group, const T* K, const T*
     }
   }
 }
+
+// The same 8 lanes wide (AVX2), for d a multiple of 8.
+template <typename T>
+DS_AVX2 void attend_avx2(const float* q, int64_t group, const T* K, const T* V, int64_t keys, int64_t d,
+                         const bool* valid, float* scores, float* out) {
+  const int64_t parts = d / 8;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < keys; ++j) {
+    if (valid && !valid[j]) {
+      for (int64_t g = 0; g < group; ++g) scores[g * keys + j] = ninf;
+      continue;
+    }
+    __m256 k[kMaxD / 8];
+    for (int64_t c = 0; c < parts; ++c) k[c] = load8(K + j * d + 8 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * d;
+      __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qg), k[0]);
+      for (int64_t c = 1; c < parts; ++c) s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), k[c], s);
+      scores[g * keys + j] = reduce8(s);
+    }
+  }
+  std::vector<float> inv(group);
+  for (int64_t g = 0; g < group; ++g) {  // softmax numerators in place, 8 keys at a time
+    float* s = scores + g * keys;
+    __m256 top = _mm256_set1_ps(ninf);
+    int64_t j = 0;
+    for (; j + 8 <= keys; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(s + j));
+    float m = max8(top);
+    for (; j < keys; ++j) m = std::max(m, s[j]);
+    const __m256 mv = _mm256_set1_ps(m);
+    __m256 sum = _mm256_setzero_ps();
+    for (j = 0; j < keys; j += 8) {
+      const int64_t left = keys - j;
+      const __m256 sv = left >= 8 ? _mm256_loadu_ps(s + j) : load8(s + j, left);
+      const __m256 kept = _mm256_and_ps(first_lanes8(left), _mm256_cmp_ps(sv, _mm256_set1_ps(ninf), _CMP_NEQ_OQ));
+      const __m256 p = _mm256_and_ps(kept, exp8(_mm256_sub_ps(sv, mv)));
+      if (left >= 8)
+        _mm256_storeu_ps(s + j, p);
+      else
+        store8(s + j, p, left);
+      sum = _mm256_add_ps(sum, p);
+    }
+    inv[g] = 1.f / reduce8(sum);
+  }
+  for (int64_t g0 = 0; g0 < group; g0 += 4) {  // weighted values, four heads per pass over V
+    const int64_t g1 = std::min<int64_t>(group, g0 + 4);
+    __m256 acc[4][kMaxD / 8];
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t c = 0; c < parts; ++c) acc[g - g0][c] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < keys; ++j) {
+      if (valid && !valid[j]) continue;
+      for (int64_t c = 0; c < parts; ++c) {
+        const __m256 v = load8(V + j * d + 8 * c);
+        for (int64_t g = g0; g < g1; ++g)
+          acc[g - g0][c] = _mm256_fmadd_ps(_mm256_set1_ps(scores[g * keys + j]), v, acc[g - g0][c]);
+      }
+    }
+    for (int64_t g = g0; g < g1; ++g) {
+      const __m256 r = _mm256_set1_ps(inv[g]);
+      for (int64_t c = 0; c < parts; ++c) _mm256_storeu_ps(out + g * d + 8 * c, _mm256_mul_ps(acc[g - g0][c], r));
+    }
+  }
+}
 #endif
 
 template <typename T>
 void attend(const float* q, int64_t group, const T* K, const T* V, int64_t keys, int64_t d, const bool* valid,
             float* scores, float* out) {
 #if DS_X86
-  if (vector_isa() && d % 16 == 0 && d <= kMaxD) return attend_avx512(q, group, K, V, keys, d, valid, scores, out);
+  const int width = vector_width();
+  if (width == 16 && d % 16 == 0 && d <= kMaxD) return attend_avx512(q, group, K, V, keys, d, valid, scores, out);
+  if (width >= 8 && d % 8 == 0 && d <= kMaxD) return attend_avx2(q, group, K, V, keys, d, valid, scores, out);
 #endif
   attend_scalar(q, group, K, V, keys, d, valid, scores, out);
 }
@@ -291,11 +408,20 @@ DS_AVX512 void to_bf16_avx512(const float* x, int64_t count, uint16_t* out) {
     _mm256_mask_storeu_epi16(out + e, m, _mm512_cvtepi32_epi16(r));
   }
 }
+
+DS_AVX2 void to_bf16_avx2(const float* x, int64_t count, uint16_t* out) {
+  int64_t e = 0;
+  for (; e + 8 <= count; e += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + e), hetero_run_cpu::round_bf16x8(_mm256_loadu_ps(x + e)));
+  for (; e < count; ++e) narrow(x[e], out + e);  // the same rounding, one at a time
+}
 #endif
 
 void to_bf16(const float* x, int64_t count, uint16_t* out) {
 #if DS_X86
-  if (vector_isa()) return to_bf16_avx512(x, count, out);
+  const int width = vector_width();
+  if (width == 16) return to_bf16_avx512(x, count, out);
+  if (width == 8) return to_bf16_avx2(x, count, out);
 #endif
   for (int64_t e = 0; e < count; ++e) narrow(x[e], out + e);
 }

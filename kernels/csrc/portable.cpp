@@ -128,6 +128,7 @@ bool amd_cpu() {
 #endif
 }
 
+bool has_avx2() { return allowed(kFeatureAvx2); }
 bool has_avx512() { return allowed(kFeatureAvx512); }
 bool has_avx512_bf16() { return allowed(kFeatureAvx512Bf16); }
 bool has_amx() { return allowed(kFeatureAmx); }

@@ -1,5 +1,5 @@
 import pytest
-from kernel_support import forced_dense_streaming
+from kernel_support import WIDTHS, capped_width, forced_dense_streaming
 
 from hetero_run.kernels import cpu_ext, cpu_isa
 
@@ -29,6 +29,31 @@ def runnable(isa: cpu_isa.Isa) -> str | None:
     if verdict != "ok":
         return f"{isa.label} is listed by CPUID but its self-test {verdict}"
     return None
+
+
+@pytest.fixture(params=[*WIDTHS, "pytorch"])
+def row_ops(request, monkeypatch):
+    """The compiled loops between the matrix products at each vector width this CPU runs (the
+    others skipped with the reason), then the PyTorch paths they fall back to."""
+    if request.param == "pytorch":
+        monkeypatch.setitem(cpu_ext._state, "ops", None)
+        yield request.param
+        return
+    lib = cpu_ext.ops()
+    if lib is None:
+        pytest.skip("the compiled kernels do not build here")
+    with capped_width(lib, request.param):
+        yield request.param
+
+
+@pytest.fixture(params=WIDTHS)
+def step_width(request):
+    """The compiled drafter step at each vector width this CPU runs (the others skipped)."""
+    lib = cpu_ext.ops()
+    if lib is None:
+        pytest.skip("the compiled kernels do not build here")
+    with capped_width(lib, request.param):
+        yield request.param
 
 
 @pytest.fixture(params=cpu_isa.ISAS, ids=lambda isa: isa.name)

@@ -41,7 +41,7 @@ def _cache(kv_heads, slots, d, dtype, seed):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads, kv_heads, d", [(14, 2, 64), (8, 8, 128), (4, 2, 40)])
-def test_attention_matches_float64(library, dtype, tol, heads, kv_heads, d):
+def test_attention_matches_float64(row_ops, dtype, tol, heads, kv_heads, d):
     k, v = _cache(kv_heads, 90, d, dtype, seed=d)
     q = torch.randn(5, heads, d, generator=torch.Generator().manual_seed(heads)).to(dtype)
     got = decode_attention(q, k, v, 37, 1 / math.sqrt(d))
@@ -51,7 +51,7 @@ def test_attention_matches_float64(library, dtype, tol, heads, kv_heads, d):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("d", [64, 40])
-def test_attention_rows_do_not_depend_on_the_batch(library, dtype, d):
+def test_attention_rows_do_not_depend_on_the_batch(row_ops, dtype, d):
     k, v = _cache(2, 200, d, dtype, seed=3)
     q = torch.randn(25, 14, d, generator=torch.Generator().manual_seed(4)).to(dtype)
     together = decode_attention(q, k, v, 100, 0.125)
@@ -79,7 +79,7 @@ def test_attention_refuses_rows_past_the_cache():
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("d", [896, 100])
-def test_rms_norm_matches_float64_and_is_row_by_row(library, dtype, tol, d):
+def test_rms_norm_matches_float64_and_is_row_by_row(row_ops, dtype, tol, d):
     g = torch.Generator().manual_seed(d)
     x, w = torch.randn(9, d, generator=g).to(dtype), torch.randn(d, generator=g).to(dtype)
     got = rms_norm(x, w, 1e-6)
@@ -92,47 +92,37 @@ def test_rms_norm_matches_float64_and_is_row_by_row(library, dtype, tol, d):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 8e-3)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("f", [4864, 37, 16, 1])
-def test_silu_mul_matches_float64_and_is_row_by_row(library, dtype, tol, f):
+def test_silu_mul_matches_float64_and_is_row_by_row(row_ops, dtype, tol, f):
     """silu(gate) * up within the dtype's rounding (the kernel rounds once, PyTorch twice), each
     row alone as in a batch, whatever f's remainder by the vector width; the AVX-512 loop and
-    the scalar one (a CPU without AVX-512) alike. Extreme gates in the kernels: silu(-inf) is 0
+    the scalar one alike, at each vector width. Extreme gates in the kernels: silu(-inf) is 0
     (PyTorch's -inf / inf gives NaN), silu(+inf) inf."""
     g = torch.Generator().manual_seed(f)
     x = (torch.randn(9, 2 * f, generator=g) * 4).to(dtype)
     x[0, :min(f, 5)] = torch.tensor([-100.0, 100.0, 0.0, -1e4, 30.0])[:min(f, 5)].to(dtype)
     gate, up = x[:, :f].double(), x[:, f:].double()
     ref = gate * torch.sigmoid(gate) * up
-    lib = cpu_ext.ops()
-    allowed = lib.cpu_features() if lib is not None else 0
-    try:
-        for features in ([allowed, 0] if library == "compiled" else [None]):
-            if features is not None:
-                lib.set_cpu_features(features)
-            got = silu_mul(x)
-            assert got.dtype == dtype and got.shape == (9, f)
-            torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
-            assert all(torch.equal(got[i:i + 1], silu_mul(x[i:i + 1])) for i in range(9))
-            assert torch.equal(silu_mul(x.view(3, 3, 2 * f)), got.view(3, 3, f))
-            if features is None:
-                continue
-            edges = torch.tensor([[float("-inf"), float("inf"), -90.0, 2.0, 2.0, 2.0, 3.0, 5.0]], dtype=dtype)
-            silu_2 = 2 / (1 + math.exp(-2))
-            assert silu_mul(edges).float().tolist() == [[0.0, float("inf"), 0.0, pytest.approx(silu_2 * 5, rel=tol)]]
-    finally:
-        if lib is not None:
-            lib.set_cpu_features(allowed)
+    got = silu_mul(x)
+    assert got.dtype == dtype and got.shape == (9, f)
+    torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)
+    assert all(torch.equal(got[i:i + 1], silu_mul(x[i:i + 1])) for i in range(9))
+    assert torch.equal(silu_mul(x.view(3, 3, 2 * f)), got.view(3, 3, f))
+    if row_ops != "pytorch":
+        edges = torch.tensor([[float("-inf"), float("inf"), -90.0, 2.0, 2.0, 2.0, 3.0, 5.0]], dtype=dtype)
+        silu_2 = 2 / (1 + math.exp(-2))
+        assert silu_mul(edges).float().tolist() == [[0.0, float("inf"), 0.0, pytest.approx(silu_2 * 5, rel=tol)]]
     torch.testing.assert_close(silu_mul_reference(x).double(), ref, atol=2 * tol * ref.abs().max().item(), rtol=2 * tol)
 
 
 @pytest.mark.parametrize("heads, kv_heads, d", [(14, 2, 64), (4, 4, 128), (2, 1, 40)])
-def test_rope_write_gives_pytorchs_bits_and_fills_the_slots(heads, kv_heads, d):
+def test_rope_write_gives_pytorchs_bits_and_fills_the_slots(row_ops, heads, kv_heads, d):
     """The compiled rotary + cache write equals PyTorch's three bf16 operations and two index_put
     bit for bit: q, and the k and v rows at their slots (nothing else in the cache moves), for q/k
-    as a strided view of the fused qkv output, on the AVX-512 loop and the scalar one (d = 40 has
-    a half of 20, which takes the scalar loop everywhere)."""
+    as a strided view of the fused qkv output, at each vector width (d = 40 has a half of 20,
+    which takes the scalar loop everywhere)."""
+    if row_ops == "pytorch":
+        pytest.skip("the PyTorch path is the reference itself")
     lib = cpu_ext.ops()
-    if lib is None:
-        pytest.skip("the compiled kernels do not build here")
     g = torch.Generator().manual_seed(d)
     n, slots = 5, 32
     qkv = (torch.randn(n, (heads + 2 * kv_heads) * d, generator=g) * 3).bfloat16()
@@ -144,16 +134,10 @@ def test_rope_write_gives_pytorchs_bits_and_fills_the_slots(heads, kv_heads, d):
     cache = torch.randn(2, 3, kv_heads, slots, d, generator=g).bfloat16()  # [k|v, layer, ...]: a layer's view
     want_k, want_v = cache[0, 1].clone(), cache[1, 1].clone()
     want_q = rope_write_reference(qk, v, cos, sin, want_k, want_v, write, heads)
-    allowed = lib.cpu_features()
-    try:
-        for features in (allowed, 0):
-            lib.set_cpu_features(features)
-            k_cache, v_cache = cache[0, 1].clone(), cache[1, 1].clone()
-            q = rope_write(qk, v, cos, sin, k_cache, v_cache, write, heads)
-            assert q.is_contiguous() and torch.equal(q, want_q), features
-            assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v), features
-    finally:
-        lib.set_cpu_features(allowed)
+    k_cache, v_cache = cache[0, 1].clone(), cache[1, 1].clone()
+    q = rope_write(qk, v, cos, sin, k_cache, v_cache, write, heads)
+    assert q.is_contiguous() and torch.equal(q, want_q)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
     with pytest.raises(RuntimeError, match="write slot 32 is outside the cache of 32"):
         lib.rope_write(qk, v, cos.reshape(n, d), sin.reshape(n, d), cache[0, 1], cache[1, 1],
                        torch.tensor([0, 1, 2, 3, slots]), heads)
@@ -168,7 +152,7 @@ def _key_lists(g, rows, slots):
 
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads, kv_heads, d", [(14, 2, 64), (4, 2, 40)])
-def test_paged_attention_matches_float64_over_listed_slots(library, dtype, tol, heads, kv_heads, d):
+def test_paged_attention_matches_float64_over_listed_slots(row_ops, dtype, tol, heads, kv_heads, d):
     g = torch.Generator().manual_seed(d + heads)
     k, v = _cache(kv_heads, 70, d, dtype, seed=d)
     q = torch.randn(6, heads, d, generator=g).to(dtype)
@@ -186,7 +170,7 @@ def test_paged_attention_matches_float64_over_listed_slots(library, dtype, tol, 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_paged_attention_over_the_same_keys_gives_the_decode_bits(library, dtype):
+def test_paged_attention_over_the_same_keys_gives_the_decode_bits(row_ops, dtype):
     # A row reading slots 0 .. s in order equals the one-token decode at slot s, bit for bit, and a
     # row whose keys are scattered copies of those keys gives the same bits too.
     k, v = _cache(2, 120, 64, dtype, seed=7)
@@ -203,8 +187,8 @@ def test_paged_attention_over_the_same_keys_gives_the_decode_bits(library, dtype
     assert torch.equal(scattered, got[3:])
 
 
-def test_paged_attention_rejects_slots_outside_the_cache(library):
-    if library == "pytorch":
+def test_paged_attention_rejects_slots_outside_the_cache(row_ops):
+    if row_ops == "pytorch":
         pytest.skip("the compiled op's bounds checks; the PyTorch path indexes with torch's own")
     k, v = _cache(2, 16, 64, torch.float32, seed=1)
     q = torch.randn(1, 4, 64)

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+from kernel_support import WIDTHS, capped_width
 
-from hetero_run.kernels import nvfp4
+from hetero_run.kernels import cpu_ext, nvfp4
 from hetero_run.kernels.drafter_step import (
     DraftStep,
     Projection,
@@ -82,6 +83,20 @@ def rows(*triples):
 
 needs_compiled = pytest.mark.skipif(not compiled_available(), reason="the compiled kernels do not build here")
 
+
+@pytest.fixture(params=[*WIDTHS, "reference"])
+def compiled(request):
+    """True: the compiled step at each vector width this CPU runs (the others skipped with the
+    reason); False: the PyTorch reference."""
+    if request.param == "reference":
+        yield False
+        return
+    lib = cpu_ext.ops()
+    if lib is None or not compiled_available():
+        pytest.skip("the compiled kernels do not build here")
+    with capped_width(lib, request.param):
+        yield True
+
 SCRIPT = [  # prefill slot 1, then slot 0, then a step mixing three slots, then one with two rows in slot 0
     [(3, 1, 0), (7, 1, 1), (11, 1, 2), (4, 1, 3), (9, 1, 4)],
     [(5, 0, 0), (6, 0, 1)],
@@ -94,7 +109,7 @@ SCRIPT = [  # prefill slot 1, then slot 0, then a step mixing three slots, then 
 @pytest.mark.parametrize("kind, cache_dtype, qkv_bias, qk_norm", [
     ("fp32", torch.float32, False, False), ("fp32", torch.float32, True, True), ("bf16", torch.bfloat16, True, False),
     ("nvfp4", torch.bfloat16, False, True), ("nvfp4", torch.float32, False, False)])
-def test_compiled_step_matches_the_reference(kind, cache_dtype, qkv_bias, qk_norm):
+def test_compiled_step_matches_the_reference(step_width, kind, cache_dtype, qkv_bias, qk_norm):
     weights = tiny_weights(kind, qkv_bias, qk_norm)
     compiled, reference = make_step(weights, cache_dtype, True), make_step(weights, cache_dtype, False)
     tol = 2e-5 if cache_dtype == torch.float32 else 2e-2  # a bf16 cache rounds keys either side of a tie
@@ -106,7 +121,6 @@ def test_compiled_step_matches_the_reference(kind, cache_dtype, qkv_bias, qk_nor
     torch.testing.assert_close(compiled.v_cache.float(), reference.v_cache.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("compiled", [pytest.param(True, marks=needs_compiled), False], ids=["compiled", "reference"])
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "nvfp4"])
 def test_rows_of_a_batched_forward_equal_each_row_alone(compiled, kind):
     weights = tiny_weights(kind, qkv_bias=True, seed=2)
@@ -123,7 +137,6 @@ def _chain_logits(weights, tokens: list[int], compiled) -> torch.Tensor:
     return step.forward(*rows(*[(t, 0, i) for i, t in enumerate(tokens)]))
 
 
-@pytest.mark.parametrize("compiled", [pytest.param(True, marks=needs_compiled), False], ids=["compiled", "reference"])
 def test_tree_rows_see_only_their_ancestors(compiled):
     weights = tiny_weights("fp32", qk_norm=True, seed=3)
     step = make_step(weights, torch.float32, compiled)
@@ -151,7 +164,6 @@ def test_tree_rows_see_only_their_ancestors(compiled):
     assert torch.equal(plain, masked)
 
 
-@pytest.mark.parametrize("compiled", [pytest.param(True, marks=needs_compiled), False], ids=["compiled", "reference"])
 def test_an_extra_head_computes_its_rows(compiled):
     weights = tiny_weights("nvfp4", seed=4)
     step, full = make_step(weights, compiled=compiled), make_step(weights, compiled=compiled)
@@ -165,7 +177,6 @@ def test_an_extra_head_computes_its_rows(compiled):
         step.forward(*rows((6, 0, 2)), head=1)
 
 
-@pytest.mark.parametrize("compiled", [pytest.param(True, marks=needs_compiled), False], ids=["compiled", "reference"])
 @pytest.mark.parametrize("kind, shape", [("nvfp4", TINY), ("bf16", WIDE)])
 def test_last_gives_the_last_rows_logits_alone(compiled, kind, shape):
     """A prompt or a catch-up wants only its last row's logits: the head runs on that row, the
@@ -184,7 +195,7 @@ def test_last_gives_the_last_rows_logits_alone(compiled, kind, shape):
 @needs_compiled
 @pytest.mark.parametrize("kind, qkv_bias, qk_norm", [("fp32", True, True), ("bf16", False, False),
                                                      ("nvfp4", True, False)])
-def test_a_step_shared_between_threads_has_the_bits_of_one_thread(kind, qkv_bias, qk_norm):
+def test_a_step_shared_between_threads_has_the_bits_of_one_thread(step_width, kind, qkv_bias, qk_norm):
     """The compiled step splits each projection's rows and the attention between threads; every
     logit and cache entry keeps the bits it gets on one thread, for one row and for several."""
     weights = tiny_weights(kind, qkv_bias, qk_norm, seed=5, shape=WIDE)
@@ -199,9 +210,13 @@ def test_a_step_shared_between_threads_has_the_bits_of_one_thread(kind, qkv_bias
         torch.set_num_threads(before)
     for one, two in zip(results[1], results[2], strict=True):
         assert torch.equal(one, two)
-    reference = make_step(weights, torch.bfloat16, False, shape=WIDE)  # and they are right
+    # And they are right. A bf16 cache or bf16 activations round a value the other way when the two
+    # sums differ in their last float32 bit at a tie; one such flip moves logits of size ~10 by a
+    # few hundredths (0.045 on an AVX2 CPU), so the bound scales with the logits.
+    reference = make_step(weights, torch.bfloat16, False, shape=WIDE)
     for script, got in zip(SCRIPT, results[2][:len(SCRIPT)], strict=True):
-        torch.testing.assert_close(got, reference.forward(*rows(*script)), atol=2e-2, rtol=2e-2)
+        want = reference.forward(*rows(*script))
+        torch.testing.assert_close(got, want, atol=1e-2 * want.abs().max().item(), rtol=2e-2)
 
 
 @needs_compiled

@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from hetero_run.kernels import cpu_ext
 from hetero_run.kernels.sampling import SamplingParams, logits_to_probs, sample
 from hetero_run.topology.errors import ConfigError
 
@@ -94,7 +93,7 @@ def test_keyed_noise_for_part_of_the_vocabulary_needs_the_whole_width():
 
 
 @pytest.mark.parametrize("vocab", [1, 7, 16, 17, 1000, 151936])
-def test_argmax_rows_is_torch_argmax(library, vocab):
+def test_argmax_rows_is_torch_argmax(row_ops, vocab):
     """The compiled scan returns torch.argmax's index on every kind of row: random, ties within a
     lane and across lanes (the first index wins), the maximum in the tail, all -inf, NaN (the
     first NaN, as torch), +inf."""
@@ -116,11 +115,3 @@ def test_argmax_rows_is_torch_argmax(library, vocab):
     x = torch.stack(rows)
     assert torch.equal(argmax_rows(x), x.argmax(-1))
     assert torch.equal(argmax_rows(x[2:5]), x[2:5].argmax(-1))  # a slice of rows, as the engine passes
-    if library == "compiled":  # the scalar scan too (what a CPU without AVX-512 runs)
-        lib = cpu_ext.ops()
-        allowed = lib.cpu_features()
-        try:
-            lib.set_cpu_features(0)
-            assert torch.equal(argmax_rows(x), x.argmax(-1))
-        finally:
-            lib.set_cpu_features(allowed)
