@@ -30,6 +30,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include "check.h"
 #include "cpu_kernels.h"
 #include "linear_rows.h"
 
@@ -37,9 +38,9 @@ namespace hetero_run_cpu {
 namespace {
 
 void check_2d(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D");
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  HR_CHECK(t.dim() == 2, name, " must be 2-D, got ", t.dim(), "-D");
+  HR_CHECK(t.is_contiguous(), name, " must be contiguous");
+  HR_CHECK(t.device().is_cpu(), name, " must be on the CPU");
 }
 
 constexpr int64_t kPathAuto = 0, kPathVector = 1, kPathAmx = 2, kPathAvx512Bf16 = 3, kPathAvx512 = 4,
@@ -68,13 +69,13 @@ int feature_of(Isa isa) {
 // bf16_ok: the bf16 paths apply (bf16 x, and bf16 w for dense); amx_ok: and the AMX tiles fit
 // (in_features a multiple of 32).
 Isa choose(int64_t path, bool bf16_ok, bool amx_ok) {
-  TORCH_CHECK(path >= kPathAuto && path <= kPathPortable, "path must be 0..6, got ", path);
+  HR_CHECK(path >= kPathAuto && path <= kPathPortable, "path must be 0..6, got ", path);
   const Isa forced[] = {kPortable, kPortable, kAmx, kAvx512Bf16, kAvx512, kAvx2, kPortable};
   if (path >= kPathAmx) {
     const Isa isa = forced[path];
-    TORCH_CHECK(isa != kAmx || amx_ok, "the AMX path needs bfloat16 x (and weights), in_features a multiple of 32");
-    TORCH_CHECK(isa != kAvx512Bf16 || bf16_ok, "the AVX512-BF16 path needs bfloat16 x (and weights)");
-    TORCH_CHECK(isa == kPortable || supported(feature_of(isa)), "this CPU cannot run the ", isa_name(isa), " kernels");
+    HR_CHECK(isa != kAmx || amx_ok, "the AMX path needs bfloat16 x (and weights), in_features a multiple of 32");
+    HR_CHECK(isa != kAvx512Bf16 || bf16_ok, "the AVX512-BF16 path needs bfloat16 x (and weights)");
+    HR_CHECK(isa == kPortable || supported(feature_of(isa)), "this CPU cannot run the ", isa_name(isa), " kernels");
     return isa;
   }
   if (path == kPathAuto && amx_ok && allowed(kFeatureAmx)) return kAmx;
@@ -166,7 +167,7 @@ at::Tensor to_bf16(const at::Tensor& y) {
 // what to_bf16(y) holds, widened. What a bf16 model's logits need without a bf16 copy and a float32
 // copy of it (at 64 rows of a 151936-word vocabulary those copies are 58 MB of fresh pages).
 at::Tensor& round_bf16_(at::Tensor& y) {
-  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous(), "y must be contiguous float32");
+  HR_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous(), "y must be contiguous float32");
   float* yd = y.data_ptr<float>();
 #if HR_X86
   const bool vec = has_avx512();
@@ -188,14 +189,14 @@ at::Tensor nvfp4_linear(const at::Tensor& x_in, const at::Tensor& codes, const a
   check_2d(x_in, "x");
   check_2d(codes, "codes");
   check_2d(scales, "block_scale");
-  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kByte, "codes and scales must be uint8");
-  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous(), "row_scale must be contiguous float32");
+  HR_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
+  HR_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kByte, "codes and scales must be uint8");
+  HR_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous(), "row_scale must be contiguous float32");
   const int64_t n = x_in.size(0), in = x_in.size(1), out = codes.size(0);
-  TORCH_CHECK(in % kGroup == 0, "in_features ", in, " is not a multiple of ", kGroup);
-  TORCH_CHECK(codes.size(1) * 2 == in, "codes have ", codes.size(1) * 2, " inputs, x has ", in);
-  TORCH_CHECK(scales.size(0) == out && scales.size(1) * kGroup == in, "block_scale shape does not match codes");
-  TORCH_CHECK(row_scale.numel() == out, "row_scale needs ", out, " values");
+  HR_CHECK(in % kGroup == 0, "in_features ", in, " is not a multiple of ", kGroup);
+  HR_CHECK(codes.size(1) * 2 == in, "codes have ", codes.size(1) * 2, " inputs, x has ", in);
+  HR_CHECK(scales.size(0) == out && scales.size(1) * kGroup == in, "block_scale shape does not match codes");
+  HR_CHECK(row_scale.numel() == out, "row_scale needs ", out, " values");
   at::Tensor y = at::empty({n, out}, x_in.options().dtype(at::kFloat));
   if (n == 0 || out == 0) return bf16_out ? y.to(at::kBFloat16) : y;
   const bool bf16 = x_in.scalar_type() == at::kBFloat16;
@@ -207,12 +208,12 @@ at::Tensor nvfp4_linear(const at::Tensor& x_in, const at::Tensor& codes, const a
 at::Tensor nvfp4_dequant(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& row_scale) {
   check_2d(codes, "codes");
   check_2d(scales, "block_scale");
-  TORCH_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kByte, "codes and scales must be uint8");
-  TORCH_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous(), "row_scale must be contiguous float32");
+  HR_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kByte, "codes and scales must be uint8");
+  HR_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous(), "row_scale must be contiguous float32");
   const int64_t out = codes.size(0), in = codes.size(1) * 2;
-  TORCH_CHECK(in % kGroup == 0 && scales.size(0) == out && scales.size(1) * kGroup == in,
-              "block_scale shape does not match codes");
-  TORCH_CHECK(row_scale.numel() == out, "row_scale needs ", out, " values");
+  HR_CHECK(in % kGroup == 0 && scales.size(0) == out && scales.size(1) * kGroup == in,
+           "block_scale shape does not match codes");
+  HR_CHECK(row_scale.numel() == out, "row_scale needs ", out, " values");
   at::Tensor w = at::empty({out, in}, row_scale.options());
   const uint8_t* cd = codes.data_ptr<uint8_t>();
   const uint8_t* sd = scales.data_ptr<uint8_t>();
@@ -240,11 +241,11 @@ at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t pat
   check_2d(x_in, "x");
   check_2d(w, "w");
   const auto xt = x_in.scalar_type(), wt = w.scalar_type();
-  TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16, "x must be float32 or bfloat16");
-  TORCH_CHECK(wt == at::kFloat || wt == at::kBFloat16, "w must be float32 or bfloat16");
-  TORCH_CHECK(!(xt == at::kBFloat16 && wt == at::kFloat), "bfloat16 x with float32 w is not supported");
+  HR_CHECK(xt == at::kFloat || xt == at::kBFloat16, "x must be float32 or bfloat16");
+  HR_CHECK(wt == at::kFloat || wt == at::kBFloat16, "w must be float32 or bfloat16");
+  HR_CHECK(!(xt == at::kBFloat16 && wt == at::kFloat), "bfloat16 x with float32 w is not supported");
   const int64_t n = x_in.size(0), in = x_in.size(1), out = w.size(0);
-  TORCH_CHECK(w.size(1) == in, "w has ", w.size(1), " inputs, x has ", in);
+  HR_CHECK(w.size(1) == in, "w has ", w.size(1), " inputs, x has ", in);
   at::Tensor y = at::empty({n, out}, x_in.options().dtype(at::kFloat));
   if (n == 0 || out == 0) return bf16_out ? y.to(at::kBFloat16) : y;
   const bool bf16 = xt == at::kBFloat16 && wt == at::kBFloat16;
@@ -257,7 +258,7 @@ int64_t cpu_supported_features() { return supported_features(); }
 void set_cpu_features(int64_t mask) { set_allowed_features(static_cast<int>(mask)); }
 int64_t get_dense_streaming() { return dense_streaming(); }
 void force_dense_streaming(int64_t mode) {
-  TORCH_CHECK(mode >= kStreamingByCpu && mode <= kStreamingStaged, "dense streaming mode must be -1, 0 or 1, got ", mode);
+  HR_CHECK(mode >= kStreamingByCpu && mode <= kStreamingStaged, "dense streaming mode must be -1, 0 or 1, got ", mode);
   set_dense_streaming(static_cast<int>(mode));
 }
 

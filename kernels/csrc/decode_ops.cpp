@@ -38,6 +38,7 @@
 #include <cmath>
 #include <limits>
 
+#include "check.h"
 #include "cpu_kernels.h"
 
 #if HR_X86
@@ -290,19 +291,19 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
                             double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be 3-D");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "q, k and v must be on the CPU");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "q, k and v must share a dtype");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
-  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == v.stride(1), "k and v need contiguous rows "
-              "with one slot stride");
+  HR_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be 3-D");
+  HR_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "q, k and v must be on the CPU");
+  HR_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+           "q, k and v must share a dtype");
+  HR_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  HR_CHECK(q.is_contiguous(), "q must be contiguous");
+  HR_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == v.stride(1), "k and v need contiguous rows "
+           "with one slot stride");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(0);
-  TORCH_CHECK(k.size(2) == d && v.size(2) == d && v.size(0) == kv_heads, "q, k and v head_dim / kv heads differ");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads do not share ", kv_heads, " KV heads");
-  TORCH_CHECK(start >= 0 && start + n <= k.size(1) && start + n <= v.size(1), "slots 0 .. ", start + n - 1,
-              " are not all in the cache of ", k.size(1));
+  HR_CHECK(k.size(2) == d && v.size(2) == d && v.size(0) == kv_heads, "q, k and v head_dim / kv heads differ");
+  HR_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads do not share ", kv_heads, " KV heads");
+  HR_CHECK(start >= 0 && start + n <= k.size(1) && start + n <= v.size(1), "slots 0 .. ", start + n - 1,
+           " are not all in the cache of ", k.size(1));
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat)
     decode_attention_impl<float>(q, k, v, start, static_cast<float>(scale), out);
@@ -349,32 +350,32 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_slots,
                            const at::Tensor& key_offsets, double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be 3-D");
-  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "q, k and v must be on the CPU");
-  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-              "q, k and v must share a dtype");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
-  TORCH_CHECK(q.is_contiguous(), "q must be contiguous");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == v.stride(1), "k and v need contiguous rows "
-              "with one slot stride");
-  TORCH_CHECK(key_slots.scalar_type() == at::kLong && key_offsets.scalar_type() == at::kLong &&
-              key_slots.is_contiguous() && key_offsets.is_contiguous() && key_slots.dim() == 1 &&
-              key_offsets.dim() == 1, "key_slots and key_offsets must be contiguous 1-D int64");
+  HR_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be 3-D");
+  HR_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "q, k and v must be on the CPU");
+  HR_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+           "q, k and v must share a dtype");
+  HR_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  HR_CHECK(q.is_contiguous(), "q must be contiguous");
+  HR_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == v.stride(1), "k and v need contiguous rows "
+           "with one slot stride");
+  HR_CHECK(key_slots.scalar_type() == at::kLong && key_offsets.scalar_type() == at::kLong &&
+           key_slots.is_contiguous() && key_offsets.is_contiguous() && key_slots.dim() == 1 &&
+           key_offsets.dim() == 1, "key_slots and key_offsets must be contiguous 1-D int64");
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(0), cached = k.size(1);
-  TORCH_CHECK(k.size(2) == d && v.size(2) == d && v.size(0) == kv_heads && v.size(1) == cached,
-              "q, k and v head_dim / kv heads / slots differ");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads do not share ", kv_heads, " KV heads");
-  TORCH_CHECK(key_offsets.numel() == n + 1, "key_offsets needs n + 1 = ", n + 1, " entries");
+  HR_CHECK(k.size(2) == d && v.size(2) == d && v.size(0) == kv_heads && v.size(1) == cached,
+           "q, k and v head_dim / kv heads / slots differ");
+  HR_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads do not share ", kv_heads, " KV heads");
+  HR_CHECK(key_offsets.numel() == n + 1, "key_offsets needs n + 1 = ", n + 1, " entries");
   const int64_t* off = key_offsets.data_ptr<int64_t>();
   const int64_t* sl = key_slots.data_ptr<int64_t>();
-  TORCH_CHECK(off[0] == 0 && off[n] == key_slots.numel(), "key_offsets must run from 0 to len(key_slots)");
+  HR_CHECK(off[0] == 0 && off[n] == key_slots.numel(), "key_offsets must run from 0 to len(key_slots)");
   int64_t longest = 0;
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(off[i + 1] > off[i], "row ", i, " attends to no key");
+    HR_CHECK(off[i + 1] > off[i], "row ", i, " attends to no key");
     longest = std::max(longest, off[i + 1] - off[i]);
   }
   for (int64_t j = 0; j < key_slots.numel(); ++j)
-    TORCH_CHECK(sl[j] >= 0 && sl[j] < cached, "key slot ", sl[j], " is outside the cache of ", cached);
+    HR_CHECK(sl[j] >= 0 && sl[j] < cached, "key slot ", sl[j], " is outside the cache of ", cached);
   at::Tensor out = at::empty_like(q);
   if (q.scalar_type() == at::kFloat)
     paged_attention_impl<float>(q, k, v, sl, off, longest, static_cast<float>(scale), out);
@@ -407,10 +408,10 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, float eps, at::Tens
 }
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1), "w must be [", x.size(1), "]");
-  TORCH_CHECK(x.scalar_type() == w.scalar_type(), "x and w must share a dtype");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  HR_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "x must be a contiguous 2-D CPU tensor");
+  HR_CHECK(w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(1), "w must be [", x.size(1), "]");
+  HR_CHECK(x.scalar_type() == w.scalar_type(), "x and w must share a dtype");
+  HR_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
   at::Tensor y = at::empty_like(x);
   if (x.scalar_type() == at::kFloat)
     rms_norm_impl<float>(x, w, static_cast<float>(eps), y);
@@ -511,9 +512,9 @@ void silu_mul_impl(const at::Tensor& x, at::Tensor& y) {
 }
 
 at::Tensor silu_mul(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "gate_up must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(x.size(1) % 2 == 0, "gate_up needs an even number of columns, got ", x.size(1));
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
+  HR_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), "gate_up must be a contiguous 2-D CPU tensor");
+  HR_CHECK(x.size(1) % 2 == 0, "gate_up needs an even number of columns, got ", x.size(1));
+  HR_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
   at::Tensor y = at::empty({x.size(0), x.size(1) / 2}, x.options());
   if (x.scalar_type() == at::kFloat)
     silu_mul_impl<float>(x, y);
@@ -565,24 +566,24 @@ HR_AVX2 void rope_avx2(const uint16_t* x, const uint16_t* c, const uint16_t* sn,
 at::Tensor rope_write(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
                       const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots, int64_t heads) {
   for (const at::Tensor* t : {&qk, &v, &cos, &sin, &k_cache, &v_cache})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16, "rope_write takes bfloat16 CPU tensors");
-  TORCH_CHECK(qk.dim() == 3 && v.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "qk, v and the caches are 3-D");
+    HR_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16, "rope_write takes bfloat16 CPU tensors");
+  HR_CHECK(qk.dim() == 3 && v.dim() == 3 && k_cache.dim() == 3 && v_cache.dim() == 3, "qk, v and the caches are 3-D");
   const int64_t n = qk.size(0), all = qk.size(1), d = qk.size(2), kv = all - heads;
-  TORCH_CHECK(heads > 0 && kv > 0 && d % 2 == 0, "qk [n, heads + kv_heads, d] with an even d");
-  TORCH_CHECK(qk.stride(2) == 1 && qk.stride(1) == d && v.stride(2) == 1 && v.stride(1) == d,
-              "each row's heads must be contiguous");
-  TORCH_CHECK(v.size(0) == n && v.size(1) == kv && v.size(2) == d, "v must be [n, kv_heads, d]");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * d && sin.numel() == n * d,
-              "cos and sin must be contiguous [n, d]");
-  TORCH_CHECK(k_cache.size(0) == kv && v_cache.size(0) == kv && k_cache.size(2) == d && v_cache.size(2) == d &&
-                  k_cache.stride(2) == 1 && k_cache.stride(1) == d && v_cache.stride(2) == 1 && v_cache.stride(1) == d,
-              "the caches must be [kv_heads, slots, d] with contiguous slots");
-  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == n && slots.scalar_type() == at::kLong && slots.is_contiguous(),
-              "write_slots must be [n] int64");
+  HR_CHECK(heads > 0 && kv > 0 && d % 2 == 0, "qk [n, heads + kv_heads, d] with an even d");
+  HR_CHECK(qk.stride(2) == 1 && qk.stride(1) == d && v.stride(2) == 1 && v.stride(1) == d,
+           "each row's heads must be contiguous");
+  HR_CHECK(v.size(0) == n && v.size(1) == kv && v.size(2) == d, "v must be [n, kv_heads, d]");
+  HR_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == n * d && sin.numel() == n * d,
+           "cos and sin must be contiguous [n, d]");
+  HR_CHECK(k_cache.size(0) == kv && v_cache.size(0) == kv && k_cache.size(2) == d && v_cache.size(2) == d &&
+               k_cache.stride(2) == 1 && k_cache.stride(1) == d && v_cache.stride(2) == 1 && v_cache.stride(1) == d,
+           "the caches must be [kv_heads, slots, d] with contiguous slots");
+  HR_CHECK(slots.dim() == 1 && slots.size(0) == n && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+           "write_slots must be [n] int64");
   const int64_t capacity = std::min(k_cache.size(1), v_cache.size(1));
   const int64_t* sd = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(sd[i] >= 0 && sd[i] < capacity, "write slot ", sd[i], " is outside the cache of ", capacity);
+    HR_CHECK(sd[i] >= 0 && sd[i] < capacity, "write slot ", sd[i], " is outside the cache of ", capacity);
   at::Tensor q = at::empty({n, heads, d}, qk.options());
   const auto* x = reinterpret_cast<const uint16_t*>(qk.data_ptr());
   const auto* vd = reinterpret_cast<const uint16_t*>(v.data_ptr());
@@ -701,10 +702,10 @@ HR_AVX2 int64_t argmax_avx2(const float* x, int64_t v) {
 #endif
 
 at::Tensor row_argmax(const at::Tensor& x) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kFloat,
-              "x must be a contiguous 2-D float32 CPU tensor");
+  HR_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && x.scalar_type() == at::kFloat,
+           "x must be a contiguous 2-D float32 CPU tensor");
   const int64_t n = x.size(0), v = x.size(1);
-  TORCH_CHECK(v > 0 && v < std::numeric_limits<int32_t>::max(), "rows of 1 .. 2^31 - 2 values, got ", v);
+  HR_CHECK(v > 0 && v < std::numeric_limits<int32_t>::max(), "rows of 1 .. 2^31 - 2 values, got ", v);
   at::Tensor out = at::empty({n}, x.options().dtype(at::kLong));
   const float* xd = x.data_ptr<float>();
   int64_t* od = out.data_ptr<int64_t>();

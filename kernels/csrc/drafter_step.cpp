@@ -35,6 +35,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "check.h"
 #include "cpu_kernels.h"
 #include "linear_rows.h"
 
@@ -540,8 +541,8 @@ Ahead ahead_of(const Proj& p, std::pair<int64_t, int64_t> rows, int64_t li = 0) 
 }
 
 Tensor contiguous_as(const Tensor& t, at::ScalarType dtype, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU");
-  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  HR_CHECK(t.device().is_cpu(), name, " must be on the CPU");
+  HR_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
   return t.contiguous();
 }
 
@@ -549,22 +550,22 @@ Proj make_proj(const std::optional<Tensor>& w, const std::optional<Tensor>& code
                const std::optional<Tensor>& row_scale, const std::optional<Tensor>& bias, bool bf16_x) {
   Proj p;
   if (codes.has_value()) {
-    TORCH_CHECK(!w.has_value() && scales.has_value() && row_scale.has_value(),
-                "an NVFP4 projection takes codes, block_scale and row_scale, and no dense w");
+    HR_CHECK(!w.has_value() && scales.has_value() && row_scale.has_value(),
+             "an NVFP4 projection takes codes, block_scale and row_scale, and no dense w");
     p.codes = contiguous_as(*codes, at::kByte, "codes");
     p.scales = contiguous_as(*scales, at::kByte, "block_scale");
     p.row_scale = contiguous_as(*row_scale, at::kFloat, "row_scale");
-    TORCH_CHECK(p.codes.dim() == 2 && p.scales.dim() == 2 && p.scales.size(0) == p.codes.size(0) &&
-                    p.scales.size(1) * 8 == p.codes.size(1) && p.row_scale.numel() == p.codes.size(0),
-                "NVFP4 shapes do not fit: codes ", p.codes.sizes(), ", block_scale ", p.scales.sizes(), ", row_scale ",
-                p.row_scale.sizes());
+    HR_CHECK(p.codes.dim() == 2 && p.scales.dim() == 2 && p.scales.size(0) == p.codes.size(0) &&
+                 p.scales.size(1) * 8 == p.codes.size(1) && p.row_scale.numel() == p.codes.size(0),
+             "NVFP4 shapes do not fit: codes ", p.codes.sizes(), ", block_scale ", p.scales.sizes(), ", row_scale ",
+             p.row_scale.sizes());
     p.out = p.codes.size(0);
     p.in = p.codes.size(1) * 2;
     p.bf16_x = bf16_x;
   } else {
-    TORCH_CHECK(w.has_value(), "a projection needs a dense w or NVFP4 codes");
-    TORCH_CHECK(w->scalar_type() == at::kBFloat16 || w->scalar_type() == at::kFloat, "w must be bf16 or f32");
-    TORCH_CHECK(w->dim() == 2 && w->device().is_cpu(), "w must be a 2-D CPU tensor");
+    HR_CHECK(w.has_value(), "a projection needs a dense w or NVFP4 codes");
+    HR_CHECK(w->scalar_type() == at::kBFloat16 || w->scalar_type() == at::kFloat, "w must be bf16 or f32");
+    HR_CHECK(w->dim() == 2 && w->device().is_cpu(), "w must be a 2-D CPU tensor");
     p.w = w->contiguous();
     p.out = p.w.size(0);
     p.in = p.w.size(1);
@@ -572,7 +573,7 @@ Proj make_proj(const std::optional<Tensor>& w, const std::optional<Tensor>& code
   }
   if (bias.has_value()) {
     p.bias = contiguous_as(*bias, at::kFloat, "bias");
-    TORCH_CHECK(p.bias.numel() == p.out, "bias needs ", p.out, " values, got ", p.bias.numel());
+    HR_CHECK(p.bias.numel() == p.out, "bias needs ", p.out, " values, got ", p.bias.numel());
   }
   return p;
 }
@@ -596,41 +597,41 @@ struct DraftStep : torch::CustomClassHolder {
   DraftStep(int64_t layers_, int64_t hidden_, int64_t heads_, int64_t kv_heads_, int64_t head_dim, double eps_,
             Tensor embed_, Tensor norm_, Tensor cos_, Tensor sin_, Tensor k_cache_, Tensor v_cache_)
       : layers(layers_), hidden(hidden_), heads(heads_), kv_heads(kv_heads_), d(head_dim), eps(eps_), L(layers_) {
-    TORCH_CHECK(layers > 0 && hidden > 0 && heads > 0 && kv_heads > 0 && d > 0 && heads % kv_heads == 0,
-                "bad shape: layers ", layers, ", hidden ", hidden, ", heads ", heads, ", kv_heads ", kv_heads,
-                ", head_dim ", d);
-    TORCH_CHECK(d % 2 == 0, "head_dim must be even for rotary embeddings, got ", d);
-    TORCH_CHECK(embed_.dim() == 2 && embed_.size(1) == hidden && embed_.device().is_cpu() &&
-                    (embed_.scalar_type() == at::kBFloat16 || embed_.scalar_type() == at::kFloat),
-                "embed must be a bf16 or f32 CPU tensor [vocab, ", hidden, "]");
+    HR_CHECK(layers > 0 && hidden > 0 && heads > 0 && kv_heads > 0 && d > 0 && heads % kv_heads == 0,
+             "bad shape: layers ", layers, ", hidden ", hidden, ", heads ", heads, ", kv_heads ", kv_heads,
+             ", head_dim ", d);
+    HR_CHECK(d % 2 == 0, "head_dim must be even for rotary embeddings, got ", d);
+    HR_CHECK(embed_.dim() == 2 && embed_.size(1) == hidden && embed_.device().is_cpu() &&
+                 (embed_.scalar_type() == at::kBFloat16 || embed_.scalar_type() == at::kFloat),
+             "embed must be a bf16 or f32 CPU tensor [vocab, ", hidden, "]");
     embed = embed_.contiguous();
     norm = contiguous_as(norm_, at::kFloat, "norm");
-    TORCH_CHECK(norm.numel() == hidden, "norm needs ", hidden, " values");
+    HR_CHECK(norm.numel() == hidden, "norm needs ", hidden, " values");
     cos = contiguous_as(cos_, at::kFloat, "cos");
     sin = contiguous_as(sin_, at::kFloat, "sin");
-    TORCH_CHECK(cos.dim() == 2 && cos.size(1) == d && sin.sizes() == cos.sizes(), "cos and sin must be [positions, ",
-                d, "]");
-    TORCH_CHECK(k_cache_.dim() == 5 && k_cache_.size(1) == layers && k_cache_.size(2) == kv_heads &&
-                    k_cache_.size(4) == d && v_cache_.sizes() == k_cache_.sizes(),
-                "k_cache and v_cache must be [slots, ", layers, ", ", kv_heads, ", max_tokens, ", d, "]");
-    TORCH_CHECK(k_cache_.is_contiguous() && v_cache_.is_contiguous(), "the caches must be contiguous");
-    TORCH_CHECK(k_cache_.scalar_type() == v_cache_.scalar_type() &&
-                    (k_cache_.scalar_type() == at::kBFloat16 || k_cache_.scalar_type() == at::kFloat),
-                "the caches must both be bf16 or both f32");
+    HR_CHECK(cos.dim() == 2 && cos.size(1) == d && sin.sizes() == cos.sizes(), "cos and sin must be [positions, ",
+             d, "]");
+    HR_CHECK(k_cache_.dim() == 5 && k_cache_.size(1) == layers && k_cache_.size(2) == kv_heads &&
+                 k_cache_.size(4) == d && v_cache_.sizes() == k_cache_.sizes(),
+             "k_cache and v_cache must be [slots, ", layers, ", ", kv_heads, ", max_tokens, ", d, "]");
+    HR_CHECK(k_cache_.is_contiguous() && v_cache_.is_contiguous(), "the caches must be contiguous");
+    HR_CHECK(k_cache_.scalar_type() == v_cache_.scalar_type() &&
+                 (k_cache_.scalar_type() == at::kBFloat16 || k_cache_.scalar_type() == at::kFloat),
+             "the caches must both be bf16 or both f32");
     k_cache = k_cache_;  // shared with the caller, written in place
     v_cache = v_cache_;
   }
 
   void set_norms(int64_t layer, Tensor input_norm, Tensor post_norm, std::optional<Tensor> qk_norm) {
-    TORCH_CHECK(0 <= layer && layer < layers, "layer ", layer, " is not in 0..", layers - 1);
+    HR_CHECK(0 <= layer && layer < layers, "layer ", layer, " is not in 0..", layers - 1);
     Layer& l = L[layer];
     l.input_norm = contiguous_as(input_norm, at::kFloat, "input_norm");
     l.post_norm = contiguous_as(post_norm, at::kFloat, "post_norm");
-    TORCH_CHECK(l.input_norm.numel() == hidden && l.post_norm.numel() == hidden, "norms need ", hidden, " values");
+    HR_CHECK(l.input_norm.numel() == hidden && l.post_norm.numel() == hidden, "norms need ", hidden, " values");
     l.qk_norm = Tensor();
     if (qk_norm.has_value()) {
       l.qk_norm = contiguous_as(*qk_norm, at::kFloat, "qk_norm");
-      TORCH_CHECK(l.qk_norm.numel() == (heads + kv_heads) * d, "qk_norm must be [", heads + kv_heads, ", ", d, "]");
+      HR_CHECK(l.qk_norm.numel() == (heads + kv_heads) * d, "qk_norm must be [", heads + kv_heads, ", ", d, "]");
     }
   }
 
@@ -638,42 +639,42 @@ struct DraftStep : torch::CustomClassHolder {
                 std::optional<Tensor> scales, std::optional<Tensor> row_scale, std::optional<Tensor> bias, bool bf16_x) {
     Proj p = make_proj(w, codes, scales, row_scale, bias, bf16_x);
     if (layer == -1) {
-      TORCH_CHECK(which >= 0, "head numbers start at 0, got ", which);
-      TORCH_CHECK(p.in == hidden, "a head takes ", hidden, " inputs, got ", p.in);
+      HR_CHECK(which >= 0, "head numbers start at 0, got ", which);
+      HR_CHECK(p.in == hidden, "a head takes ", hidden, " inputs, got ", p.in);
       if (static_cast<int64_t>(head.size()) <= which) head.resize(which + 1);
       head[which] = p;
       return;
     }
-    TORCH_CHECK(0 <= layer && layer < layers, "layer ", layer, " is not in 0..", layers - 1);
-    TORCH_CHECK(0 <= which && which < 4, "projection ", which, " is not 0 (qkv), 1 (o), 2 (gate_up) or 3 (down)");
+    HR_CHECK(0 <= layer && layer < layers, "layer ", layer, " is not in 0..", layers - 1);
+    HR_CHECK(0 <= which && which < 4, "projection ", which, " is not 0 (qkv), 1 (o), 2 (gate_up) or 3 (down)");
     const int64_t qkv_out = (heads + 2 * kv_heads) * d;
-    if (which == kQkv) TORCH_CHECK(p.in == hidden && p.out == qkv_out, "qkv must be [", qkv_out, ", ", hidden, "]");
-    if (which == kO) TORCH_CHECK(p.in == heads * d && p.out == hidden, "o must be [", hidden, ", ", heads * d, "]");
-    if (which == kGateUp) TORCH_CHECK(p.in == hidden && p.out % 2 == 0, "gate_up must be [2 * intermediate, ", hidden, "]");
-    if (which == kDown) TORCH_CHECK(p.out == hidden, "down must have ", hidden, " outputs");
+    if (which == kQkv) HR_CHECK(p.in == hidden && p.out == qkv_out, "qkv must be [", qkv_out, ", ", hidden, "]");
+    if (which == kO) HR_CHECK(p.in == heads * d && p.out == hidden, "o must be [", hidden, ", ", heads * d, "]");
+    if (which == kGateUp) HR_CHECK(p.in == hidden && p.out % 2 == 0, "gate_up must be [2 * intermediate, ", hidden, "]");
+    if (which == kDown) HR_CHECK(p.out == hidden, "down must have ", hidden, " outputs");
     L[layer].proj[which] = p;
   }
 
   void drop_head(int64_t which) {
-    TORCH_CHECK(which > 0 && which < static_cast<int64_t>(head.size()), "no head ", which, " to drop");
+    HR_CHECK(which > 0 && which < static_cast<int64_t>(head.size()), "no head ", which, " to drop");
     head[which] = Proj();
   }
 
   Tensor forward(Tensor ids, Tensor slots, Tensor index, Tensor positions, std::optional<Tensor> mask, int64_t head_no,
                  bool last) {
     const int64_t n = ids.numel();
-    TORCH_CHECK(n > 0, "a forward needs at least one row");
+    HR_CHECK(n > 0, "a forward needs at least one row");
     for (const Tensor* t : {&ids, &slots, &index, &positions})
-      TORCH_CHECK(t->dim() == 1 && t->numel() == n && t->scalar_type() == at::kLong && t->device().is_cpu(),
-                  "ids, slots, index and positions must be int64 CPU tensors [", n, "]");
+      HR_CHECK(t->dim() == 1 && t->numel() == n && t->scalar_type() == at::kLong && t->device().is_cpu(),
+               "ids, slots, index and positions must be int64 CPU tensors [", n, "]");
     ids = ids.contiguous();
     slots = slots.contiguous();
     index = index.contiguous();
     positions = positions.contiguous();
-    TORCH_CHECK(head_no >= 0 && head_no < static_cast<int64_t>(head.size()) && head[head_no].set(), "no head ", head_no);
+    HR_CHECK(head_no >= 0 && head_no < static_cast<int64_t>(head.size()) && head[head_no].set(), "no head ", head_no);
     for (int64_t l = 0; l < layers; ++l) {
-      TORCH_CHECK(L[l].input_norm.defined(), "layer ", l, " has no norms");
-      for (int w = 0; w < 4; ++w) TORCH_CHECK(L[l].proj[w].set(), "layer ", l, " lacks projection ", w);
+      HR_CHECK(L[l].input_norm.defined(), "layer ", l, " has no norms");
+      for (int w = 0; w < 4; ++w) HR_CHECK(L[l].proj[w].set(), "layer ", l, " lacks projection ", w);
     }
     const int64_t* id = ids.data_ptr<int64_t>();
     const int64_t* sl = slots.data_ptr<int64_t>();
@@ -682,27 +683,27 @@ struct DraftStep : torch::CustomClassHolder {
     const int64_t num_slots = k_cache.size(0), max_tokens = k_cache.size(3);
     int64_t widest = 0;
     for (int64_t r = 0; r < n; ++r) {
-      TORCH_CHECK(0 <= id[r] && id[r] < embed.size(0), "row ", r, ": token id ", id[r], " is not in 0..",
-                  embed.size(0) - 1);
-      TORCH_CHECK(0 <= sl[r] && sl[r] < num_slots, "row ", r, ": slot ", sl[r], " is not in 0..", num_slots - 1);
-      TORCH_CHECK(0 <= ix[r] && ix[r] < max_tokens, "row ", r, ": cache index ", ix[r], " is not in 0..",
-                  max_tokens - 1);
-      TORCH_CHECK(0 <= ps[r] && ps[r] < cos.size(0), "row ", r, ": position ", ps[r], " is not in 0..",
-                  cos.size(0) - 1);
+      HR_CHECK(0 <= id[r] && id[r] < embed.size(0), "row ", r, ": token id ", id[r], " is not in 0..",
+               embed.size(0) - 1);
+      HR_CHECK(0 <= sl[r] && sl[r] < num_slots, "row ", r, ": slot ", sl[r], " is not in 0..", num_slots - 1);
+      HR_CHECK(0 <= ix[r] && ix[r] < max_tokens, "row ", r, ": cache index ", ix[r], " is not in 0..",
+               max_tokens - 1);
+      HR_CHECK(0 <= ps[r] && ps[r] < cos.size(0), "row ", r, ": position ", ps[r], " is not in 0..",
+               cos.size(0) - 1);
       widest = std::max(widest, ix[r] + 1);
     }
     const bool* mk = nullptr;
     int64_t mask_stride = 0;
     Tensor mask_c;
     if (mask.has_value()) {
-      TORCH_CHECK(mask->dim() == 2 && mask->size(0) == n && mask->size(1) >= widest &&
-                      mask->scalar_type() == at::kBool && mask->device().is_cpu(),
-                  "mask must be a bool CPU tensor [", n, ", >= ", widest, "]");
+      HR_CHECK(mask->dim() == 2 && mask->size(0) == n && mask->size(1) >= widest &&
+                   mask->scalar_type() == at::kBool && mask->device().is_cpu(),
+               "mask must be a bool CPU tensor [", n, ", >= ", widest, "]");
       mask_c = mask->contiguous();
       mk = mask_c.data_ptr<bool>();
       mask_stride = mask_c.size(1);
       for (int64_t r = 0; r < n; ++r)
-        TORCH_CHECK(mk[r * mask_stride + ix[r]], "row ", r, ": the mask hides the row's own index ", ix[r]);
+        HR_CHECK(mk[r * mask_stride + ix[r]], "row ", r, ": the mask hides the row's own index ", ix[r]);
     }
     if (k_cache.scalar_type() == at::kBFloat16)
       return run<uint16_t>(n, id, sl, ix, ps, mk, mask_stride, head[head_no], last);
