@@ -183,6 +183,23 @@ def test_a_path_the_cpu_lacks_is_refused():
         lib.dense_linear(torch.randn(2, 64), torch.randn(4, 64), 7)
 
 
+
+def test_error_messages_are_built_without_iostreams():
+    """TORCH_CHECK formats numbers through an ostream inserter instantiated in this library, which
+    crashed a process whose C++ runtime was older than the compiler's headers (csrc/check.h)."""
+    streams = ("TORCH_CHECK(", "c10::str(", "ostream", "std::cout", "std::cerr", "TORCH_WARN", "AT_ERROR(")
+    found = [f"{path.name}:{number}: {line.strip()}"
+             for path in sorted(cpu_ext.CSRC.iterdir()) if path.suffix in (".cpp", ".h") and path.name != "check.h"
+             for number, line in enumerate(path.read_text().splitlines(), 1) if any(s in line for s in streams)]
+    assert found == []
+    lib = cpu_ext.ops()
+    if lib is None:
+        pytest.skip("the compiled kernels do not build here")
+    with pytest.raises(RuntimeError, match=r"^path must be 0\.\.6, got -1$"):
+        lib.dense_linear(torch.randn(2, 64), torch.randn(4, 64), -1)
+    with pytest.raises(RuntimeError, match=r"^w has 32 inputs, x has 64$"):
+        lib.dense_linear(torch.randn(2, 64), torch.randn(4, 32), 0)
+
 @needs_lib
 @pytest.mark.parametrize("shape", SHAPES)
 def test_compiled_nvfp4_linear_matches_reference(shape):
