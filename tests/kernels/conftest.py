@@ -31,6 +31,14 @@ def runnable(isa: cpu_isa.Isa) -> str | None:
     return None
 
 
+def compiled_ops():
+    """`torch.ops.hetero_run` with the compiled kernels, or the test skipped with the reason."""
+    lib = cpu_ext.ops()
+    if lib is None:
+        pytest.skip("the compiled kernels do not build here")
+    return lib
+
+
 @pytest.fixture(params=[*WIDTHS, "pytorch"])
 def row_ops(request, monkeypatch):
     """The compiled loops between the matrix products at each vector width this CPU runs (the
@@ -39,9 +47,7 @@ def row_ops(request, monkeypatch):
         monkeypatch.setitem(cpu_ext._state, "ops", None)
         yield request.param
         return
-    lib = cpu_ext.ops()
-    if lib is None:
-        pytest.skip("the compiled kernels do not build here")
+    lib = compiled_ops()
     with capped_width(lib, request.param):
         yield request.param
 
@@ -49,9 +55,7 @@ def row_ops(request, monkeypatch):
 @pytest.fixture(params=WIDTHS)
 def step_width(request):
     """The compiled drafter step at each vector width this CPU runs (the others skipped)."""
-    lib = cpu_ext.ops()
-    if lib is None:
-        pytest.skip("the compiled kernels do not build here")
+    lib = compiled_ops()
     with capped_width(lib, request.param):
         yield request.param
 
@@ -68,8 +72,6 @@ def isa(request) -> cpu_isa.Isa:
 @pytest.fixture(params=[0, 1], ids=["walk", "staged"])
 def dense_streaming(request):
     """Each way the AVX-512 dense kernel streams few rows of x, forced in turn."""
-    lib = cpu_ext.ops()
-    if lib is None:
-        pytest.skip("the compiled kernels do not build here")
+    lib = compiled_ops()
     with forced_dense_streaming(lib, request.param):
         yield request.param
