@@ -123,8 +123,12 @@ def test_sigterm_to_every_rank_ends_the_job_quickly(popen_cli, tmp_path):
     # heartbeat finds its peer already gone names it and leaves on the signal too.
     assert any("process group destroyed" in text or "which left after the same signal" in text
                or "after this rank's signal; exiting" in text for text in logs), logs
-    # The Deadline sentinel reports on stderr, not in the log files.
-    assert any("shut down cleanly" in text for text in logs) or "MPI shutdown did not complete" in stderr
+    # Some rank ends on a line that says how: teardown complete, its MPI_Finalize deadline (the
+    # Deadline sentinel reports on stderr, not in the log files), or its heartbeat naming the peer
+    # that left first. That last one alone happens: the other rank, in MPI_Finalize by then, is
+    # ended there by the MPI runtime once its peer is gone (seen under load), within the bound above.
+    ended = ("shut down cleanly", "which left after the same signal", "after this rank's signal; exiting")
+    assert any(line in text for text in logs for line in ended) or "MPI shutdown did not complete" in stderr, logs
 
 
 def test_sigint_to_mpirun_stops_every_rank(popen_cli, tmp_path):
