@@ -66,6 +66,7 @@ class Peer:
     host: str
     pid: int
     has_cuda: bool
+    gpus: int = 0  # CUDA devices this rank sees
 
     def __str__(self) -> str:
         return f"rank {self.rank} (host {self.host}, pid {self.pid})"
@@ -119,6 +120,31 @@ def _share_cores(local_world_size: int) -> None:
         torch.set_num_threads(max(1, (cores or 1) // max(1, local_world_size)))
 
 
+def choose_backend(requested: str, peers: tuple[Peer, ...]) -> str:
+    """The process group's backend for `requested` (auto, gloo, nccl), decided from the table
+    every rank received, so that all ranks agree or all refuse with the same error: nccl (auto's
+    choice when every rank has CUDA) needs a CUDA device on every rank and one device per rank
+    on each host (NCCL refuses two ranks on one GPU)."""
+    backend = requested
+    if backend == "auto":
+        backend = "nccl" if all(p.has_cuda for p in peers) else "gloo"
+    if backend != "nccl":
+        return backend
+    lacking = [p for p in peers if not p.has_cuda]
+    if lacking:
+        raise ConfigError(f"needs a CUDA device on every rank; {lacking[0]} has none", field="backend nccl")
+    for host in dict.fromkeys(p.host for p in peers):
+        ranks = [p for p in peers if p.host == host]
+        gpus = min(p.gpus for p in ranks)
+        if len(ranks) > gpus:
+            raise ConfigError(
+                f"needs one CUDA device per rank, and host {host} runs {len(ranks)} ranks on {gpus}: start at most "
+                f"{gpus} rank(s) there (one rank alone is the single-node fallback), or choose --backend gloo",
+                field="backend nccl" if requested == "nccl" else "backend auto (nccl: every rank has CUDA)",
+            )
+    return backend
+
+
 def start(settings: LaunchSettings | None = None) -> Dist:
     """Bring up MPI (when launched by mpirun) and the torch process group; return the handle."""
     import torch
@@ -127,11 +153,12 @@ def start(settings: LaunchSettings | None = None) -> Dist:
     for key, value in settings.env.items():
         os.environ[key] = str(value)
     has_cuda = torch.cuda.is_available()
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "cuda": has_cuda}
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "cuda": has_cuda,
+          "gpus": torch.cuda.device_count() if has_cuda else 0}
 
     if not under_mpi():
         device = torch.device("cuda", 0) if has_cuda else torch.device("cpu")
-        peer = Peer(0, me["host"], me["pid"], has_cuda)
+        peer = Peer(0, me["host"], me["pid"], has_cuda, me["gpus"])
         _share_cores(1)
         return Dist(0, 1, 0, 1, "none", device, None, (peer,))
 
@@ -166,7 +193,7 @@ def start(settings: LaunchSettings | None = None) -> Dist:
 
     try:
         table = exchange(comm, rank, size, me, settings.peer_timeout_s)
-        peers = tuple(Peer(r, t["host"], t["pid"], t["cuda"]) for r, t in enumerate(table))
+        peers = tuple(Peer(r, t["host"], t["pid"], t["cuda"], t["gpus"]) for r, t in enumerate(table))
         if rank == 0:
             addr = rendezvous_addr(settings.master_addr, [p.host for p in peers])
             port = settings.master_port or int(os.environ.get("MASTER_PORT", "0")) or free_port(addr)
@@ -178,11 +205,11 @@ def start(settings: LaunchSettings | None = None) -> Dist:
         MPI.Finalize()
         raise
 
-    backend = settings.backend
-    if backend == "auto":
-        backend = "nccl" if all(p.has_cuda for p in peers) else "gloo"
-    if backend == "nccl" and not has_cuda:
-        raise ConfigError(f"backend nccl needs a CUDA device on every rank; rank {rank} has none")
+    try:
+        backend = choose_backend(settings.backend, peers)
+    except ConfigError:
+        MPI.Finalize()
+        raise
     device = (
         torch.device("cuda", local_rank % torch.cuda.device_count())
         if backend == "nccl"

@@ -160,3 +160,13 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_nccl_on_ranks_without_cuda_is_one_error_on_every_rank(run_cli):
+    start = time.monotonic()
+    out = run_cli("doctor", "--backend", "nccl", np=2, timeout=120)
+    assert time.monotonic() - start < 60
+    assert out.returncode == 2, out.output
+    assert "Traceback" not in out.output
+    assert re.search(r"backend nccl: needs a CUDA device on every rank; rank 0 \(host \S+, pid \d+\) has none",
+                     out.stderr), out.stderr
