@@ -30,7 +30,8 @@ def test_gloo_is_taken_as_asked():
 def test_nccl_without_cuda_on_a_rank_names_it():
     with pytest.raises(ConfigError) as err:
         choose_backend("nccl", peers(("spark-a", 1), ("cpu-host", 0)))
-    assert str(err.value) == "backend nccl: needs a CUDA device on every rank; rank 1 (host cpu-host, pid 1001) has none"
+    assert str(err.value) == ("backend nccl: needs a CUDA device on every rank; "
+                              "rank 1 (host cpu-host, pid 1001) has none")
 
 
 @pytest.mark.parametrize("requested, field", [("nccl", "backend nccl"),
