@@ -163,10 +163,6 @@ def _alive(pid: int) -> bool:
 
 
 def test_nccl_on_ranks_without_cuda_is_one_error_on_every_rank(run_cli):
-    import torch
-
-    if torch.cuda.device_count() >= 2:
-        pytest.skip("each rank has a CUDA device here: nccl runs")
     start = time.monotonic()
     out = run_cli("doctor", "--backend", "nccl", np=2, timeout=120)
     assert time.monotonic() - start < 60
