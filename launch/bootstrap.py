@@ -211,7 +211,7 @@ def start(settings: LaunchSettings | None = None) -> Dist:
         MPI.Finalize()
         raise
     device = (
-        torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.device("cuda", local_rank)  # choose_backend: a device per rank on each host
         if backend == "nccl"
         else torch.device("cpu")
     )

@@ -289,8 +289,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   });
 }
 
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
-                            double scale) {
+// What both attention ops need of q [n, heads, d] and k, v [kv_heads, slots, d].
+void check_qkv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   HR_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be 3-D");
   HR_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "q, k and v must be on the CPU");
   HR_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
@@ -299,6 +299,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   HR_CHECK(q.is_contiguous(), "q must be contiguous");
   HR_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == v.stride(1), "k and v need contiguous rows "
            "with one slot stride");
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start,
+                            double scale) {
+  check_qkv(q, k, v);
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(0);
   HR_CHECK(k.size(2) == d && v.size(2) == d && v.size(0) == kv_heads, "q, k and v head_dim / kv heads differ");
   HR_CHECK(kv_heads > 0 && heads % kv_heads == 0, heads, " query heads do not share ", kv_heads, " KV heads");
@@ -350,14 +355,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Te
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_slots,
                            const at::Tensor& key_offsets, double scale) {
-  HR_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3, "q, k and v must be 3-D");
-  HR_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "q, k and v must be on the CPU");
-  HR_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
-           "q, k and v must share a dtype");
-  HR_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "float32 or bfloat16 only");
-  HR_CHECK(q.is_contiguous(), "q must be contiguous");
-  HR_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k.stride(1) == v.stride(1), "k and v need contiguous rows "
-           "with one slot stride");
+  check_qkv(q, k, v);
   HR_CHECK(key_slots.scalar_type() == at::kLong && key_offsets.scalar_type() == at::kLong &&
            key_slots.is_contiguous() && key_offsets.is_contiguous() && key_slots.dim() == 1 &&
            key_offsets.dim() == 1, "key_slots and key_offsets must be contiguous 1-D int64");
