@@ -73,8 +73,9 @@ def linear_w4a4(x: torch.Tensor, codes: torch.Tensor, block_scale: torch.Tensor,
         except (RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
             # an unsupported shape or torch build: the same arithmetic, emulated
             _warn_once(f"FP4 tensor-core GEMM failed ({exc}); emulating W4A4")
-    xq = nvfp4.fake_quantize(x, input_scale).to(x.dtype)
-    return linear_weight_only(xq, codes, block_scale, row_scale)
+    # as on the CPU: the quantised activations (FP4 x E4M3 x the float32 global scale are not all
+    # bf16 values) meet the weights in float32, and only y is rounded to x's dtype
+    return linear_weight_only(nvfp4.fake_quantize(x, input_scale), codes, block_scale, row_scale).to(x.dtype)
 
 
 def _scaled_mm_fp4(x, codes, block_scale, row_scale, input_scale, cache):
