@@ -9,6 +9,8 @@ and a batched forward that runs the slots one after another.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 
@@ -26,6 +28,7 @@ class HFDraftModel:
         self.softcap = getattr(getattr(model.config, "get_text_config", lambda: model.config)(),
                                "final_logit_softcapping", None)
         self.cache = DynamicCache()  # full layers only: rollback works at any length
+        self._cache_arg = cache_argument(self.decoder)
         self.length = 0
         self.device = self.head.device
         self.tree: TreeState | None = None
@@ -50,7 +53,7 @@ class HFDraftModel:
             mask = mask[None, None].to(self.device)
         hidden = self.decoder(
             input_ids=ids.to(self.device)[None], position_ids=positions.to(self.device)[None],
-            attention_mask=mask, cache=self.cache, use_cache=True,
+            attention_mask=mask, use_cache=True, **{self._cache_arg: self.cache},
         ).last_hidden_state[0]  # [n, hidden]
         self.length += n
         if last:
@@ -66,6 +69,18 @@ class HFDraftModel:
         self.cache.crop(length - self.length)  # a negative count removes that many tokens
         self.length = length
         self.tree = None
+
+
+def cache_argument(decoder) -> str:
+    """The name the decoder's forward takes its KV cache by: `cache` in recent transformers,
+    `past_key_values` before. Both versions accept any keyword (`**kwargs`), so the wrong name
+    would be dropped without an error and every forward would run without the cache."""
+    parameters = inspect.signature(decoder.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in parameters:
+            return name
+    raise TypeError(f"{type(decoder).__name__}.forward takes neither `cache` nor `past_key_values`: "
+                    "this transformers model cannot draft")
 
 
 def _pruned_head(head: torch.Tensor, pruned: dict, rows: torch.Tensor) -> torch.Tensor:

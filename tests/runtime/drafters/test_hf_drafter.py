@@ -6,7 +6,7 @@ import pytest
 import speculative_support as support
 import torch
 
-from hetero_run.runtime.drafters.hf import HFDraftModel
+from hetero_run.runtime.drafters.hf import HFDraftModel, cache_argument
 from hetero_run.runtime.drafters.load import load_drafter
 from hetero_run.runtime.drafters.model import leading_chain
 from hetero_run.topology.errors import UserError
@@ -85,3 +85,29 @@ def test_bad_drafter_paths_are_one_line_errors(tmp_path):
         load_drafter(tmp_path, slots=0)
     with pytest.raises(UserError, match="drafter_weights: drafter weights must be dense or nvfp4"):
         load_drafter(tmp_path, weights="int8")
+
+
+def test_forwards_fill_the_drafters_own_cache(model):
+    """Every forward goes through the drafter's cache (under the name this transformers takes it by),
+    so later forwards see the earlier tokens without recomputing them."""
+    drafter = HFDraftModel(model)
+    drafter.forward(torch.tensor(PREFIX))
+    assert drafter.cache.get_seq_length() == len(PREFIX)
+    drafter.forward(torch.tensor([40, 41]))
+    assert drafter.cache.get_seq_length() == len(PREFIX) + 2
+
+
+def test_the_cache_goes_by_the_name_the_decoder_takes():
+    class Recent:
+        def forward(self, input_ids=None, cache=None, **kwargs): ...
+
+    class Older:
+        def forward(self, input_ids=None, past_key_values=None, **kwargs): ...
+
+    class Neither:
+        def forward(self, input_ids=None, **kwargs): ...
+
+    assert cache_argument(Recent()) == "cache"
+    assert cache_argument(Older()) == "past_key_values"
+    with pytest.raises(TypeError, match="Neither.forward takes neither `cache` nor `past_key_values`"):
+        cache_argument(Neither())
