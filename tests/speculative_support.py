@@ -20,6 +20,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from transformers import PreTrainedTokenizerFast
 
+from hetero_run.runtime.drafters.hf import cache_argument
+
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
     "def is_prime(n):\n    if n < 2:\n        return False\n    for i in range(2, n):\n        if n % i == 0:\n"
@@ -137,7 +139,8 @@ class HFTarget:
     @torch.inference_mode()
     def forward(self, target_ids: torch.Tensor, positions: torch.Tensor, num_logits: int | None = None) -> torch.Tensor:
         assert int(positions[0]) == self.length, (int(positions[0]), self.length)
-        out = self.model(input_ids=target_ids[None], position_ids=positions[None], cache=self.cache, use_cache=True)
+        out = self.model(input_ids=target_ids[None], position_ids=positions[None], use_cache=True,
+                         **{cache_argument(self.model): self.cache})
         self.length += target_ids.numel()
         self.calls += 1
         return out.logits[0, -(num_logits or target_ids.numel()):].float()
