@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
+from pathlib import Path
 
-import pytest
-from support import Completed, env_for_tests, hetero_run_argv, mpirun_argv
+# `python -m pytest` in the repository root puts the root on sys.path, where the `kernels/` folder
+# would shadow the `kernels` package that transformers imports; this project is imported as
+# `hetero_run.*` (its editable install maps the folders), never from the root.
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _ROOT]
+
+import pytest  # noqa: E402
+from support import Completed, env_for_tests, hetero_run_argv, mpirun_argv  # noqa: E402
 
 
 def pytest_addoption(parser):
