@@ -186,6 +186,24 @@ class RuntimePair:
     def close(self) -> None:
         self.runner.close()
 
+    def verify_ms(self, rows: int, repeat: int = 5) -> dict[int, float]:
+        """The target's forward of n = 1..rows rows after a 128-token prompt: ms, median of `repeat`."""
+        gen = torch.Generator().manual_seed(0)
+        vocab = self.runner.model.config.vocab_size
+        prompt = torch.randint(0, vocab, (128,), generator=gen)
+        ids = torch.randint(0, vocab, (rows,), generator=gen)
+        self.runner.truncate(0)
+        self.runner.forward(prompt, torch.arange(128), num_logits=1)
+        times: dict[int, list[float]] = {n: [] for n in range(1, rows + 1)}
+        for _ in range(repeat):
+            for n in times:
+                start = time.perf_counter()
+                self.runner.forward(ids[:n], torch.arange(128, 128 + n))
+                times[n].append((time.perf_counter() - start) * 1e3)
+                self.runner.truncate(128)
+        self.runner.truncate(0)
+        return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+
     def run(self, algorithms: list[str], mode: str, prompts: list[dict], new_tokens: int, sampling: dict) -> list[dict]:
         """One row per algorithm. The algorithms take turns on each prompt (the machine's load
         drifts over minutes; turns keep the ratios fair), each with its own engine, so what one
@@ -218,7 +236,58 @@ class RuntimePair:
                 results[label].append(engine.generate(p["prompt"], new_tokens, params, chat=True, stop_ids=set()))
         for label, done in results.items():
             rows.append({"system": "hetero-run", "algorithm": label, "mode": mode, **_figures(done)})
+            if label == "none" and mode == "greedy":
+                from hetero_run.runtime.speculative.prompt import Prompt
+
+                depth = SpeculationConfig().modelfree_max_nodes
+                verify = self.verify_ms(depth + 1)
+                prompt_ids = [Prompt.of(p["prompt"], chat=True).for_target(self.tokenizer) for p in prompts]
+                rows[-1]["foresight"] = {**foresight(prompt_ids, [r.token_ids for r in done], verify, depth),
+                                         "verify_ms": {n: round(v, 2) for n, v in verify.items()}}
         return rows
+
+
+def foresight(prompts: list[list[int]], outputs: list[list[int]], verify_ms: dict[int, float],
+              depth: int = 16) -> dict:
+    """What drafting from earlier occurrences could reach with perfect foresight, on the target
+    alone's greedy outputs: a bound for prompt lookup and suffix trees on this set.
+
+    Each round, the next tokens are drafted from the earlier occurrence of the last token (in the
+    prompt, the output so far, or an earlier output of the set, as the suffix cache holds them)
+    whose continuation matches the most of them, at most `depth`, and exactly those are verified
+    (a round with none is a plain step). Any model-free proposer drafts from such occurrences (a
+    longer match is one of them), so none accepts more per round; and none verifies fewer rows
+    for what it accepts. `verify_ms[n]`: the target's forward of n rows, measured in the same run.
+    Returns tokens per round and the decode time against one plain step per token.
+    """
+    earlier: list[list[int]] = []
+    tokens = rounds = 0
+    ms = plain_ms = 0.0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        context = list(prompt)
+        i = 0
+        while i < len(output):
+            best = 0
+            for pool in (context, *earlier):
+                limit = len(pool) - 1 if pool is context else len(pool)
+                for j in range(limit):
+                    if pool[j] != context[-1]:
+                        continue
+                    run = 0
+                    while (run < depth and i + run < len(output) and j + 1 + run < len(pool)
+                           and pool[j + 1 + run] == output[i + run]):
+                        run += 1
+                    best = max(best, run)
+            step = min(best + 1, len(output) - i)
+            ms += verify_ms[step]
+            context += output[i:i + step]
+            i += step
+            rounds += 1
+        tokens += len(output)
+        plain_ms += len(output) * verify_ms[1]
+        earlier.append(list(output))
+    return {"tokens_per_round": tokens / max(1, rounds), "decode_speedup": plain_ms / ms if ms else 1.0,
+            "depth": depth}
 
 
 def _figures(results) -> dict:
@@ -382,6 +451,15 @@ def _tables(rows: list[dict]) -> None:
                 ", ".join(f"{k} {v}" for k, v in sorted(r.get("rounds_by", {}).items(), key=lambda kv: -kv[1])),
                 _us(cost))
         console.print(table)
+        for r in rows:
+            bound = r.get("foresight") if r.get("set") == name else None
+            if bound:
+                ms = bound["verify_ms"]
+                console.print(f"  foresight bound, TP={r['tp']} greedy: drafting from earlier occurrences with perfect "
+                              f"foresight (up to {bound['depth']} tokens) would give {bound['tokens_per_round']:.2f} "
+                              f"tokens/round and decode at most {bound['decode_speedup']:.2f}x the target alone "
+                              f"(verify of 1 / 2 / 5 / 9 / 17 rows measured in this run: "
+                              f"{' / '.join(f'{ms[n]:.1f}' for n in (1, 2, 5, 9, 17) if n in ms)} ms)")
 
 
 def _us(cost: dict) -> str:
