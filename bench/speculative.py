@@ -32,6 +32,9 @@ draws follow p exactly is what tests/runtime/speculative/test_sampling_exact.py 
 auto picked, and the model-free proposers' lookup and update cost per round (the suffix tree's update included). With
 llama-cpp-python importable, llama.cpp runs the same GGUF target on 2 threads alone and with
 its prompt-lookup drafter (greedy; the same prompts rendered by the same chat template).
+For greedy rows it also prints a foresight bound per set: what drafting from earlier occurrences
+(prompt, output so far, earlier outputs) could reach if it knew which tokens will be accepted,
+at the target's verify costs measured in the same run (`foresight`).
 Writes DIR/speculative.json and prints one table per
 prompt set.
 """
