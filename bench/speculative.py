@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -197,15 +198,11 @@ class RuntimePair:
         ids = torch.randint(0, vocab, (rows,), generator=gen)
         self.runner.truncate(0)
         self.runner.forward(prompt, torch.arange(128), num_logits=1)
-        times: dict[int, list[float]] = {n: [] for n in range(1, rows + 1)}
-        for _ in range(repeat):
-            for n in times:
-                start = time.perf_counter()
-                self.runner.forward(ids[:n], torch.arange(128, 128 + n))
-                times[n].append((time.perf_counter() - start) * 1e3)
-                self.runner.truncate(128)
+        from verify_forward import time_rows  # bench/, the folder of the script that runs
+
+        times, _ = time_rows(self.runner, 128, ids, list(range(1, rows + 1)), repeat)
         self.runner.truncate(0)
-        return {n: sorted(t)[len(t) // 2] for n, t in times.items()}
+        return {n: statistics.median(t) * 1e3 for n, t in times.items()}
 
     def run(self, algorithms: list[str], mode: str, prompts: list[dict], new_tokens: int, sampling: dict) -> list[dict]:
         """One row per algorithm. The algorithms take turns on each prompt (the machine's load

@@ -71,21 +71,10 @@ def _measure(folder: Path, quant: str, sizes: list[int], repeat: int, clock) -> 
         seq.append(model.forward(ids[i:i + 1], torch.tensor([128 + i])))
     seq = torch.cat(seq)
 
-    def forward(n: int) -> tuple[float, torch.Tensor]:
-        model.truncate(128)
-        start = clock()
-        logits = model.forward(ids[:n], torch.arange(128, 128 + n))
-        return clock() - start, logits
-
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    same = {}
     bandwidth = [_bandwidth(clock)]
-    for _ in range(repeat):
-        for n in sizes:
-            seconds, logits = forward(n)
-            times[n].append(seconds)
-            same[n] = torch.equal(logits, seq[:n])
+    times, logits = time_rows(model, 128, ids, sizes, repeat, clock)
     bandwidth.append(_bandwidth(clock))
+    same = {n: torch.equal(logits[n], seq[:n]) for n in sizes}
     base = statistics.median(times[1]) * 1e3
     print(f"{quant} ({'CPU' if clock is time.process_time else 'wall'} time):")
     for n in sizes:
@@ -96,6 +85,24 @@ def _measure(folder: Path, quant: str, sizes: list[int], repeat: int, clock) -> 
     floor_ms = nbytes / (gbps * 1e9) * 1e3
     print(f"  roofline: {nbytes / 1e6:.0f} MB per token at {gbps:.1f} GB/s (measured {bandwidth[0]:.1f} before, "
           f"{bandwidth[1]:.1f} after) = {floor_ms:.2f} ms; n=1 reaches {floor_ms / base:.0%} of it")
+
+
+def time_rows(model, prefix: int, ids: torch.Tensor, sizes: list[int], repeat: int,
+              clock=time.perf_counter) -> tuple[dict[int, list[float]], dict[int, torch.Tensor]]:
+    """Seconds of `repeat` forwards of n = ids[:n] rows after the first `prefix` cached positions
+    of `model` (a model or a runner: `forward(ids, positions)` and `truncate(length)`), for each n
+    in `sizes`, taken round robin so a drift in the machine's load touches every size alike; the
+    cache is rolled back to `prefix` before each. Also the logits of the last forward of each n."""
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    logits = {}
+    for _ in range(repeat):
+        for n in sizes:
+            model.truncate(prefix)
+            start = clock()
+            logits[n] = model.forward(ids[:n], torch.arange(prefix, prefix + n))
+            times[n].append(clock() - start)
+    model.truncate(prefix)
+    return times, logits
 
 
 def _bandwidth(clock, nbytes: int = 512 << 20, repeats: int = 5) -> float:
