@@ -66,7 +66,9 @@ def resolve(spec: str, *, role: str = "target", field: str | None = None) -> Mod
     if eagle3:
         spec = spec[len(EAGLE3_PREFIX):]
     path = Path(spec).expanduser()
-    if path.is_dir():
+    if path.is_dir() and not eagle3 and _is_converted_drafter(path):
+        source = from_converted_drafter(path, role, field)
+    elif path.is_dir():
         source = from_checkpoint(path, role)
     elif path.suffix == ".gguf":
         if not path.is_file():
@@ -92,6 +94,35 @@ def from_checkpoint(path: str | Path, role: str = "target") -> ModelSource:
     shape = _shape(ckpt.config, role, str(Path(path) / "config.json"))
     tensors = {name: TensorInfo(m.dtype, m.shape) for name, m in ckpt.tensors.items()}
     return ModelSource(str(path), "checkpoint", ckpt.config, ckpt.quant, tensors, shape)
+
+
+def _is_converted_drafter(path: Path) -> bool:
+    from hetero_run.runtime.drafters.cache import is_converted
+
+    return is_converted(path)
+
+
+def from_converted_drafter(path: str | Path, role: str = "drafter", field: str = "drafter") -> ModelSource:
+    """A drafter directory hetero-run converted (its manifest beside weights in the fast drafter's
+    own layout), planned as the model it was converted from is: its tensors dense, in the dtype it
+    was converted to. Its config.json keeps its source's `quantization_config` (a GGUF's), which
+    describes the source, not these weights."""
+    from hetero_run.runtime.drafters.cache import MANIFEST
+
+    path = Path(path)
+    if role == "target":
+        raise ConfigError(f"a converted drafter directory (it holds {MANIFEST}), not a target checkpoint: give it "
+                          "as --drafter, or give the target's own checkpoint", file=path, field=field)
+    try:
+        config = json.loads((path / "config.json").read_text())
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"unreadable converted drafter: {exc}", file=path, field=field) from None
+    config = {k: v for k, v in config.items() if k != "quantization_config"}
+    shape = _shape(config, role, str(path / "config.json"))
+    dtype = torch.float32 if manifest.get("dtype") == "fp32" else torch.bfloat16
+    return ModelSource(str(path), "converted", config, None, expand(shape, None, dtype), shape,
+                       f"converted drafter ({manifest.get('weights', 'dense')} weights)")
 
 
 def from_gguf(path: str | Path, role: str = "target") -> ModelSource:

@@ -76,6 +76,25 @@ def test_auto_with_a_same_vocabulary_drafter_prints_text_and_the_comparison(run_
     assert "auto" in out.stdout and "Traceback" not in out.output
 
 
+def test_a_converted_drafter_directory_is_a_drafter(run_cli, pair, references, tmp_path):
+    # what the first load of a GGUF drafter writes, given back as --drafter (planned, then loaded)
+    import torch
+    from tiny_models import write_tiny_gguf
+
+    from hetero_run.runtime.drafters import cache
+    from hetero_run.runtime.drafters.load import load_drafter
+
+    gguf = write_tiny_gguf(tmp_path / "drafter.gguf")
+    load_drafter(gguf, dtype=torch.float32, weights="nvfp4")
+    converted = cache.location(gguf, "nvfp4", torch.float32)
+    out = run_cli("generate", "--target", pair[0], "--drafter", converted, "--algorithm", "slem",
+                  "--prompt", PROMPTS[0], *COMMON)
+    assert out.returncode == 0, out.output
+    (result,) = _json_lines(out.stdout)
+    assert result["token_ids"] == references[PROMPTS[0]] and result["identical"] is True
+    assert result["rounds_by_algorithm"].get("slem", 0) > 0
+
+
 @pytest.mark.parametrize("algorithm", ["ngram", "suffix", "auto"])
 def test_model_free_algorithms_need_no_drafter(run_cli, pair, references, prompts_file, algorithm):
     out = run_cli("generate", "--target", pair[0], "--algorithm", algorithm, "--prompts-file", prompts_file, *COMMON)

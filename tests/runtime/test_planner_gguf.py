@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -71,6 +72,31 @@ def test_gguf_header_and_plan(tmp_path, tied):
     assert plan.ranks[1].weights_bytes == per_rank
     assert plan.ranks[0].kv_bytes_per_token == 2 * 2 * 1 * 16 * 4
     assert any("dequantises the whole GGUF model" in note for note in plan.notes)
+
+
+@pytest.mark.parametrize("weights", ["dense", "nvfp4"])
+def test_a_converted_drafter_directory_plans_as_its_gguf_source(tmp_path, weights):
+    # its config.json keeps the GGUF's quantization_config, which is not a ModelOpt one
+    import torch
+    from tiny_models import write_tiny_gguf
+
+    from hetero_run.runtime.drafters import cache
+    from hetero_run.runtime.drafters.load import load_drafter
+    from hetero_run.topology.errors import ConfigError
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    load_drafter(gguf, dtype=torch.float32, weights=weights)
+    converted = cache.location(gguf, weights, torch.float32)
+    assert cache.is_converted(converted)
+    assert "quantization_config" in json.loads((converted / "config.json").read_text())
+    source, direct = resolve(str(gguf), role="drafter"), resolve(str(converted), role="drafter")
+    assert direct.kind == "converted" and direct.quant is None
+    assert direct.tensors == source.tensors
+    target = make_plan(str(gguf), drafter=str(gguf), context=64)
+    assert make_plan(str(gguf), drafter=str(converted), context=64).ranks == target.ranks
+    with pytest.raises(ConfigError, match="converted drafter directory.*not a target checkpoint") as err:
+        resolve(str(converted))
+    assert str(converted) in str(err.value)
 
 
 def test_bad_gguf_is_a_one_line_error(tmp_path):
