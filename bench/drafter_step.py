@@ -9,7 +9,9 @@ interleaved so that a passing load spike hits every figure alike, the median of 
 
 - the target's decode step (one token, the cache rolled back after each);
 - the drafter's decode step, one row, and one row for each of k sequences in one batched
-  forward (k = 2, 4, 8 slots), per projection kind in `--weights`;
+  forward (k = 2, 4, 8 slots), per projection kind in `--weights` (where the CPU kernels may use
+  AMX, once with the projections on AMX tiles and once on the vector kernels: the runtime times
+  both at start and drafts on the faster, runtime/drafters/threads.py);
 - its projections alone: the step's 121 linear products (4 per layer and the head) called back
   to back through the registered ops on one row, nothing between them, each op forking and
   joining the threads (the step computes them with the same kernels in one parallel region):
@@ -112,12 +114,22 @@ def _run(args, kinds: list[str]) -> None:
         target.forward(step_token, at)
 
     figures = {"target": target_step}
+    variants = {}  # row label -> (kind, the step's kernels)
     for kind, network in drafters.items():
         figures[f"{kind} linear"] = _linear_only(network.weights)
+        choices = network.step.kernel_choices()
+        for kernels in choices:
+            variants[kind if len(choices) == 1 else f"{kind} {kernels}"] = (kind, kernels)
+    for label, (kind, kernels) in variants.items():
+        network = drafters[kind]
         for k in (1, *BATCHES):
             rows = torch.arange(k)
-            figures[f"{kind} x{k}"] = (lambda n=network, r=rows: n.forward(torch.full((r.numel(),), 7), r,
-                                                                            torch.full((r.numel(),), context)))
+
+            def step(n=network, r=rows, kernels=kernels):
+                n.step.use_kernels(kernels)
+                n.forward(torch.full((r.numel(),), 7), r, torch.full((r.numel(),), context))
+
+            figures[f"{label} x{k}"] = step
     for kind, model in baselines.items():
         def base_step(m=model):
             m.truncate(context)
@@ -147,16 +159,19 @@ def _run(args, kinds: list[str]) -> None:
               "cpu_features": cpu_ext.features(), "bandwidth_gbps": gbps,
               "bandwidth_range_gbps": [min(bandwidth), max(bandwidth)], "target_ms": ms["target"],
               "target_bytes": target.decode_nbytes(), "drafters": {}}
-    for kind, network in drafters.items():
+    for label, (kind, kernels) in variants.items():
+        network = drafters[kind]
         weights_bytes, read = network.weights.decode_nbytes(), network.decode_nbytes(context)
-        entry = {"load_s": loads[kind], "weight_bytes": weights_bytes, "kv_bytes": read - weights_bytes,
-                 "bytes": read, "roofline_ms": read / gbps / 1e6, "ms": {}, "c": ms[f"{kind} x1"] / ms["target"],
-                 "linear_ms": ms[f"{kind} linear"], "macs": _macs(network.weights)}
+        entry = {"kind": kind, "kernels": kernels, "load_s": loads[kind], "weight_bytes": weights_bytes,
+                 "kv_bytes": read - weights_bytes, "bytes": read, "roofline_ms": read / gbps / 1e6, "ms": {},
+                 "c": ms[f"{label} x1"] / ms["target"], "macs": _macs(network.weights)}
+        if kernels != "vector" or len(network.step.kernel_choices()) == 1:  # the registered ops' own kernels
+            entry["linear_ms"] = ms[f"{kind} linear"]
         for k in (1, *BATCHES):
-            entry["ms"][k] = ms[f"{kind} x{k}"]
+            entry["ms"][k] = ms[f"{label} x{k}"]
         if kind in baselines:
             entry["per_op_ms"] = ms[f"{kind} per-op"]
-        report["drafters"][kind] = entry
+        report["drafters"][label] = entry
     _print(report)
     if args.json:
         print(json.dumps(report))
@@ -230,15 +245,18 @@ def _print(r: dict) -> None:
           f"(median; {lo:.1f}-{hi:.1f} over the rounds)")
     print(f"target (NVFP4, TP=1) decode step: {r['target_ms']:.2f} ms, reads {r['target_bytes'] / 1e6:.0f} MB "
           f"(roofline {r['target_bytes'] / r['bandwidth_gbps'] / 1e6:.2f} ms)")
-    print(f"\n{'drafter':8} {'reads/step':>11} {'(weights + KV)':>16} {'roofline':>9} {'1 row':>8} {'x roof':>7} "
+    print(f"\n{'drafter':13} {'reads/step':>11} {'(weights + KV)':>16} {'roofline':>9} {'1 row':>8} {'x roof':>7} "
           f"{'c':>6} {'linear':>8} " + " ".join(f"{f'{k} rows':>14}" for k in BATCHES) + f" {'per-op':>8} {'load':>6}")
     for kind, d in r["drafters"].items():
         batched = " ".join(f"{d['ms'][k]:6.2f} ({d['ms'][k] / k:4.2f})" for k in BATCHES)
         per_op = f"{d['per_op_ms']:6.2f}ms" if "per_op_ms" in d else f"{'-':>8}"
-        print(f"{kind:8} {d['bytes'] / 1e6:8.1f} MB {d['weight_bytes'] / 1e6:7.1f} + {d['kv_bytes'] / 1e6:4.1f} MB "
+        linear = f"{d['linear_ms']:6.2f}ms" if "linear_ms" in d else f"{'-':>8}"
+        print(f"{kind:13} {d['bytes'] / 1e6:8.1f} MB {d['weight_bytes'] / 1e6:7.1f} + {d['kv_bytes'] / 1e6:4.1f} MB "
               f"{d['roofline_ms']:7.2f}ms {d['ms'][1]:6.2f}ms {d['ms'][1] / d['roofline_ms']:6.2f}x {d['c']:6.3f} "
-              f"{d['linear_ms']:6.2f}ms {batched} {per_op} {d['load_s']:5.1f}s")
+              f"{linear} {batched} {per_op} {d['load_s']:5.1f}s")
     for kind, d in r["drafters"].items():
+        if "linear_ms" not in d:
+            continue
         print(f"{kind}: the projections alone take {d['linear_ms']:.2f} ms for {d['macs'] / 1e6:.0f} M multiply-adds "
               f"({d['macs'] / d['linear_ms'] / 1e6:.1f} GMAC/s, {d['weight_bytes'] / d['linear_ms'] / 1e6:.1f} GB/s); "
               f"the step, which also runs the norms, rotary, attention over {r['context']} tokens and residuals, "
@@ -248,7 +266,8 @@ def _print(r: dict) -> None:
           "token for each of k sequences (ms per row in brackets); c = drafter 1-row step / target step; roofline = "
           "bytes read per step / the bandwidth measured in this run; linear = the step's projections alone (the "
           "registered linear ops); per-op = the same drafter through the runtime model code, one PyTorch operation "
-          "at a time (--baseline)")
+          "at a time (--baseline); 'amx' / 'vector': where the CPU kernels may use AMX, the step with its projections "
+          "on AMX tiles and on the vector kernels (the runtime measures both at start and drafts on the faster)")
 
 
 if __name__ == "__main__":

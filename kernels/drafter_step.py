@@ -192,6 +192,35 @@ class DraftStep:
         _set_proj(step, -1, 0, w.head)
         return step
 
+    def kernel_choices(self) -> tuple[str, ...]:
+        """The kernels the compiled step can give its projections here: "amx" (AMX tiles, what the
+        registered ops take on this CPU) and "vector" (the same kernels without AMX) where the CPU
+        kernels may use AMX and some projection multiplies bf16 activations; else just the one
+        it has. Both compute every row alone in a fixed order, so either keeps each row's bits
+        whatever the other rows of a call; they differ from each other."""
+        if self._step is None:
+            return ("reference",)
+        bf16 = any(p.bf16_x for layer in self.weights.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        if bf16 and cpu_ext.features() & cpu_ext.FEATURE_AMX:
+            return ("amx", "vector")
+        return ("vector",)
+
+    @property
+    def kernels(self) -> str:
+        """The kernels the projections take now (see kernel_choices)."""
+        if self._step is None:
+            return "reference"
+        choices = self.kernel_choices()
+        return "vector" if self._step.path() == 1 or choices == ("vector",) else "amx"
+
+    def use_kernels(self, name: str) -> None:
+        """Give the projections `name`'s kernels (one of kernel_choices()) from the next forward on."""
+        choices = self.kernel_choices()
+        if name not in choices:
+            raise ValueError(f"kernels {name!r} are not available here; choose from {', '.join(choices)}")
+        if self._step is not None:
+            self._step.set_path(1 if name == "vector" else 0)
+
     def set_head(self, number: int, head: Projection | None) -> None:
         """Head `number` (> 0) computes `head` (e.g. the rows TLI drafts over); None drops it."""
         if number <= 0:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from hetero_run.kernels.sampling import SamplingParams
 from hetero_run.runtime.drafters.load import Drafter
-from hetero_run.runtime.drafters.threads import calibrate_threads
+from hetero_run.runtime.drafters.threads import calibrate_kernels, calibrate_threads
 from hetero_run.runtime.eagle3 import is_eagle3
 from hetero_run.runtime.speculative.adaptive import DraftLength
 from hetero_run.runtime.speculative.config import MODEL_FREE, SpeculationConfig
@@ -79,8 +79,9 @@ class SpeculativeEngine:
         self.drafter_threads = None
         if drafter is not None and self.config.algorithm not in ("none", *MODEL_FREE):
             threads = self.config.drafter_threads
-            if not threads:
-                with drafter.borrowed() as model:
+            with drafter.borrowed() as model:
+                calibrate_kernels(model)
+                if not threads:
                     threads = calibrate_threads(model)
             self.drafter_threads = threads
 

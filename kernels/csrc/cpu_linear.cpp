@@ -265,16 +265,18 @@ void force_dense_streaming(int64_t mode) {
 }  // namespace
 
 void nvfp4_linear_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
-                       const at::Tensor& row_scale, int64_t r0, int64_t r1, float* y) {
+                       const at::Tensor& row_scale, int64_t r0, int64_t r1, float* y, int64_t path) {
+  HR_CHECK(path == kPathAuto || path == kPathVector, "path must be 0 or 1, got ", path);
   const int64_t half = codes.size(1), nb = scales.size(1);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  nvfp4_run(choose(kPathAuto, bf16, bf16 && x.size(1) % 32 == 0), x, codes.data_ptr<uint8_t>() + r0 * half,
+  nvfp4_run(choose(path, bf16, bf16 && x.size(1) % 32 == 0), x, codes.data_ptr<uint8_t>() + r0 * half,
             scales.data_ptr<uint8_t>() + r0 * nb, row_scale.data_ptr<float>() + r0, r1 - r0, y);
 }
 
-void dense_linear_rows(const at::Tensor& x, const at::Tensor& w, int64_t r0, int64_t r1, float* y) {
+void dense_linear_rows(const at::Tensor& x, const at::Tensor& w, int64_t r0, int64_t r1, float* y, int64_t path) {
+  HR_CHECK(path == kPathAuto || path == kPathVector, "path must be 0 or 1, got ", path);
   const bool bf16 = x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16;
-  dense_run(choose(kPathAuto, bf16, bf16 && x.size(1) % 32 == 0), x, w, r0, r1 - r0, y);
+  dense_run(choose(path, bf16, bf16 && x.size(1) % 32 == 0), x, w, r0, r1 - r0, y);
 }
 
 }  // namespace hetero_run_cpu

@@ -20,6 +20,8 @@
 //       dense: w [out, in] bf16 | f32; NVFP4: codes u8 [out, in/2],
 //       block_scale u8 (e4m3 bits) [out, in/16], row_scale f32 [out]; bias f32 [out]; bf16_x: x is
 //       rounded to bf16 first (bf16 or NVFP4 weights: the kernels' bf16 dot products)
+//   set_path(p), path(): the projections' kernels, 0 the best the CPU allows (the registered ops'
+//       path 0), 1 the same without AMX (path 1); one path for every row until set again
 //   forward(ids [n], slots [n], index [n], positions [n], mask [n, W] bool?, head, last)
 //       -> logits f32 [n, out] ([1, out]: the last row's alone, when last: a prompt or a catch-up)
 //       row r embeds ids[r], writes its keys and values at cache index index[r] of slot slots[r], is
@@ -593,6 +595,7 @@ struct DraftStep : torch::CustomClassHolder {
   Tensor embed, norm, cos, sin, k_cache, v_cache;
   std::vector<Layer> L;
   std::vector<Proj> head;
+  int64_t path = 0;  // the projections' kernels: set_path
 
   DraftStep(int64_t layers_, int64_t hidden_, int64_t heads_, int64_t kv_heads_, int64_t head_dim, double eps_,
             Tensor embed_, Tensor norm_, Tensor cos_, Tensor sin_, Tensor k_cache_, Tensor v_cache_)
@@ -654,6 +657,15 @@ struct DraftStep : torch::CustomClassHolder {
     if (which == kDown) HR_CHECK(p.out == hidden, "down must have ", hidden, " outputs");
     L[layer].proj[which] = p;
   }
+
+  // 0: the projections take the best kernels the CPU allows; 1: the same without AMX (whose tiles
+  // are the faster for many rows, the vector kernels on some CPUs for one). Every row of every
+  // call takes the same path until it is set again.
+  void set_path(int64_t p) {
+    HR_CHECK(p == 0 || p == 1, "path must be 0 (best allowed) or 1 (no AMX), got ", p);
+    path = p;
+  }
+  int64_t get_path() const { return path; }
 
   void drop_head(int64_t which) {
     HR_CHECK(which > 0 && which < static_cast<int64_t>(head.size()), "no head ", which, " to drop");
@@ -794,9 +806,9 @@ struct DraftStep : torch::CustomClassHolder {
       auto product = [&](const Proj& p, const Tensor& in, int64_t a, int64_t b) {
         if (a >= b) return;
         if (p.codes.defined())
-          hetero_run_cpu::nvfp4_linear_rows(in, p.codes, p.scales, p.row_scale, a, b, yd);
+          hetero_run_cpu::nvfp4_linear_rows(in, p.codes, p.scales, p.row_scale, a, b, yd, path);
         else
-          hetero_run_cpu::dense_linear_rows(in, p.w, a, b, yd);
+          hetero_run_cpu::dense_linear_rows(in, p.w, a, b, yd, path);
         if (p.bias.defined()) {
           const float* bd = p.bias.data_ptr<float>();
           for (int64_t r = 0; r < in.size(0); ++r)
@@ -916,5 +928,7 @@ TORCH_LIBRARY_FRAGMENT(hetero_run, m) {
       .def("set_norms", &hetero_run_drafter::DraftStep::set_norms)
       .def("set_proj", &hetero_run_drafter::DraftStep::set_proj)
       .def("drop_head", &hetero_run_drafter::DraftStep::drop_head)
+      .def("set_path", &hetero_run_drafter::DraftStep::set_path)
+      .def("path", &hetero_run_drafter::DraftStep::get_path)
       .def("forward", &hetero_run_drafter::DraftStep::forward);
 }

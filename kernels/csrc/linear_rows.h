@@ -11,12 +11,14 @@ namespace hetero_run_cpu {
 // much of them first.
 constexpr int64_t kAheadBytes = 2048;
 
-// Output rows r0 .. r1 - 1 of hetero_run::nvfp4_linear(x, codes, block_scale, row_scale) and of
-// hetero_run::dense_linear(x, w), path 0, into y [n, r1 - r0] (row-major): the same kernel and
-// the same bits as those rows of the op. Shapes and dtypes are the caller's to check. Called
-// inside a parallel region, the kernel runs on the calling thread alone.
+// Output rows r0 .. r1 - 1 of hetero_run::nvfp4_linear(x, codes, block_scale, row_scale, path) and
+// of hetero_run::dense_linear(x, w, path), path 0 (the best allowed kernels) or 1 (the same without
+// AMX), into y [n, r1 - r0] (row-major): the same kernel and the same bits as those rows of the op.
+// Shapes and dtypes are the caller's to check. Called inside a parallel region, the kernel runs on
+// the calling thread alone.
 void nvfp4_linear_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& block_scale,
-                       const at::Tensor& row_scale, int64_t r0, int64_t r1, float* y);
-void dense_linear_rows(const at::Tensor& x, const at::Tensor& w, int64_t r0, int64_t r1, float* y);
+                       const at::Tensor& row_scale, int64_t r0, int64_t r1, float* y, int64_t path = 0);
+void dense_linear_rows(const at::Tensor& x, const at::Tensor& w, int64_t r0, int64_t r1, float* y,
+                       int64_t path = 0);
 
 }  // namespace hetero_run_cpu

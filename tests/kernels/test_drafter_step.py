@@ -228,3 +228,48 @@ def test_bad_rows_are_refused(bad, match):
     args = {"ids": [1], "slots": [0], "index": [0], "positions": [0], **bad}
     with pytest.raises(RuntimeError, match=match):
         step.forward(*(torch.tensor(args[k]) for k in ("ids", "slots", "index", "positions")))
+
+
+def _bf16_activations(weights: StepWeights) -> StepWeights:
+    """NVFP4 projections multiplying x rounded to bf16, as the runtime's drafters run them."""
+    from dataclasses import replace
+
+    layers = [replace(layer, qkv=replace(layer.qkv, bf16_x=True), o=replace(layer.o, bf16_x=True),
+                      gate_up=replace(layer.gate_up, bf16_x=True), down=replace(layer.down, bf16_x=True))
+              for layer in weights.layers]
+    return replace(weights, layers=layers, head=replace(weights.head, bf16_x=True))
+
+
+@needs_compiled
+@pytest.mark.parametrize("kernels", ["amx", "vector"])
+@pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
+def test_each_kernel_choice_keeps_every_row_alone_and_right(kernels, kind):
+    """The step's projections on AMX tiles or on the vector kernels (the drafter takes the faster,
+    runtime/drafters/threads.py): either way each row of a batched forward has the bits it has
+    alone, and the logits are the reference's."""
+    weights = tiny_weights(kind, qkv_bias=True, seed=7, shape=WIDE)
+    if kind == "nvfp4":
+        weights = _bf16_activations(weights)
+    batched, alone = make_step(weights, shape=WIDE), make_step(weights, shape=WIDE)
+    if kernels not in batched.kernel_choices():
+        pytest.skip(f"the {kernels} kernels are not a choice here (AMX not listed by CPUID or not self-tested): "
+                    f"{batched.kernel_choices()}")
+    for step in (batched, alone):
+        step.use_kernels(kernels)
+        assert step.kernels == kernels
+    reference = make_step(weights, compiled=False, shape=WIDE)
+    for script in SCRIPT:
+        together = batched.forward(*rows(*script))
+        for r, row in enumerate(script):
+            assert torch.equal(together[r:r + 1], alone.forward(*rows(row))), (script, r)
+        want = reference.forward(*rows(*script))
+        torch.testing.assert_close(together, want, atol=1e-2 * want.abs().max().item(), rtol=2e-2)
+
+
+@needs_compiled
+def test_kernels_that_are_not_a_choice_are_refused():
+    step = make_step(tiny_weights("fp32"), compiled=True)  # float32 activations: no AMX to choose
+    assert step.kernel_choices() == ("vector",) and step.kernels == "vector"
+    with pytest.raises(ValueError, match="kernels 'amx' are not available here; choose from vector"):
+        step.use_kernels("amx")
+    assert make_step(tiny_weights("fp32"), compiled=False).kernel_choices() == ("reference",)
