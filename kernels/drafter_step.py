@@ -196,8 +196,7 @@ class DraftStep:
         """The kernels the compiled step can give its projections here: "amx" (AMX tiles, what the
         registered ops take on this CPU) and "vector" (the same kernels without AMX) where the CPU
         kernels may use AMX and some projection multiplies bf16 activations; else just the one
-        it has. Both compute every row alone in a fixed order, so either keeps each row's bits
-        whatever the other rows of a call; they differ from each other."""
+        it has. Either computes every row alone in a fixed order; they differ from each other."""
         if self._step is None:
             return ("reference",)
         bf16 = any(p.bf16_x for layer in self.weights.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
@@ -206,20 +205,30 @@ class DraftStep:
         return ("vector",)
 
     @property
-    def kernels(self) -> str:
-        """The kernels the projections take now (see kernel_choices)."""
-        if self._step is None:
-            return "reference"
+    def kernels(self) -> tuple[str, str, int]:
+        """(kernels of a forward of few rows, of many rows, the row count from which it is many):
+        see use_kernels."""
         choices = self.kernel_choices()
-        return "vector" if self._step.path() == 1 or choices == ("vector",) else "amx"
+        if len(choices) == 1:
+            return choices[0], choices[0], 1
+        few, many, many_from = self._step.paths()
+        return ("vector" if few else "amx"), ("vector" if many else "amx"), int(many_from)
 
-    def use_kernels(self, name: str) -> None:
-        """Give the projections `name`'s kernels (one of kernel_choices()) from the next forward on."""
+    def use_kernels(self, few: str, many: str | None = None, many_from: int = 1) -> None:
+        """From the next forward on, give the projections of a forward of fewer than `many_from`
+        rows `few`'s kernels and of a wider one `many`'s (default: `few`'s), each one of
+        kernel_choices(). A one-row drafting step and a prompt read may so take different kernels;
+        every row of one forward takes the same, so a row keeps the bits it has alone among
+        forwards on the same side of `many_from`."""
         choices = self.kernel_choices()
-        if name not in choices:
-            raise ValueError(f"kernels {name!r} are not available here; choose from {', '.join(choices)}")
-        if self._step is not None:
-            self._step.set_path(1 if name == "vector" else 0)
+        many = few if many is None else many
+        for name in (few, many):
+            if name not in choices:
+                raise ValueError(f"kernels {name!r} are not available here; choose from {', '.join(choices)}")
+        if many_from < 1:
+            raise ValueError(f"many_from must be >= 1, got {many_from}")
+        if len(choices) > 1:
+            self._step.set_paths(int(few == "vector"), int(many == "vector"), many_from)
 
     def set_head(self, number: int, head: Projection | None) -> None:
         """Head `number` (> 0) computes `head` (e.g. the rows TLI drafts over); None drops it."""

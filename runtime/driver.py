@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 from hetero_run.kernels.sampling import SamplingParams
 from hetero_run.runtime.drafters.load import Drafter
-from hetero_run.runtime.drafters.threads import calibrate_kernels, calibrate_threads
+from hetero_run.runtime.drafters.threads import calibrate_kernels, calibrate_threads, prompt_read_seconds
 from hetero_run.runtime.eagle3 import is_eagle3
 from hetero_run.runtime.speculative.adaptive import DraftLength
 from hetero_run.runtime.speculative.config import MODEL_FREE, SpeculationConfig
@@ -77,17 +77,19 @@ class SpeculativeEngine:
         # what the cost model and the draft lengths measured, kept from prompt to prompt (per sampling mode)
         self.measured: dict[bool, tuple[CostModel, _Lengths]] = {}
         self.drafter_threads = None
+        self.prompt_read_s = None  # drafter seconds per prompt token, measured here: the cost model's first estimate
         if drafter is not None and self.config.algorithm not in ("none", *MODEL_FREE):
             threads = self.config.drafter_threads
             with drafter.borrowed() as model:
                 calibrate_kernels(model)
                 if not threads:
                     threads = calibrate_threads(model)
+                self.prompt_read_s = prompt_read_seconds(model, threads)
             self.drafter_threads = threads
 
     def measurements(self, greedy: bool) -> tuple[CostModel, _Lengths]:
         if greedy not in self.measured:
-            self.measured[greedy] = (CostModel(self.config), _Lengths(self.config))
+            self.measured[greedy] = (CostModel(self.config, self.prompt_read_s), _Lengths(self.config))
         return self.measured[greedy]
 
     def sequence(self, prompt: str | Sequence | Prompt, max_new_tokens: int = 128,

@@ -20,8 +20,9 @@
 //       dense: w [out, in] bf16 | f32; NVFP4: codes u8 [out, in/2],
 //       block_scale u8 (e4m3 bits) [out, in/16], row_scale f32 [out]; bias f32 [out]; bf16_x: x is
 //       rounded to bf16 first (bf16 or NVFP4 weights: the kernels' bf16 dot products)
-//   set_path(p), path(): the projections' kernels, 0 the best the CPU allows (the registered ops'
-//       path 0), 1 the same without AMX (path 1); one path for every row until set again
+//   set_paths(few, many, from), paths() -> (few, many, from): the projections' kernels, 0 the best
+//       the CPU allows (the registered ops' path 0), 1 the same without AMX (path 1); a forward of
+//       fewer than `from` rows takes `few`, one of `from` rows or more `many`
 //   forward(ids [n], slots [n], index [n], positions [n], mask [n, W] bool?, head, last)
 //       -> logits f32 [n, out] ([1, out]: the last row's alone, when last: a prompt or a catch-up)
 //       row r embeds ids[r], writes its keys and values at cache index index[r] of slot slots[r], is
@@ -30,8 +31,9 @@
 //       attends, so rows of one slot form a chain (or a tree, with a mask) within one call.
 //
 // Each row is computed on its own in a fixed order (the linear ops' paths do not depend on the
-// number of rows either), so a row gets the same bits whatever other rows share the call, and
-// every value gets the same bits whatever the number of threads.
+// number of rows either, and the step's own choice of them only across `from`, set_paths), so a
+// row gets the same bits whatever other rows share the call, and every value gets the same bits
+// whatever the number of threads.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/custom_class.h>
@@ -595,7 +597,7 @@ struct DraftStep : torch::CustomClassHolder {
   Tensor embed, norm, cos, sin, k_cache, v_cache;
   std::vector<Layer> L;
   std::vector<Proj> head;
-  int64_t path = 0;  // the projections' kernels: set_path
+  int64_t few_path = 0, many_path = 0, many_from = 1;  // the projections' kernels: set_paths
 
   DraftStep(int64_t layers_, int64_t hidden_, int64_t heads_, int64_t kv_heads_, int64_t head_dim, double eps_,
             Tensor embed_, Tensor norm_, Tensor cos_, Tensor sin_, Tensor k_cache_, Tensor v_cache_)
@@ -659,13 +661,16 @@ struct DraftStep : torch::CustomClassHolder {
   }
 
   // 0: the projections take the best kernels the CPU allows; 1: the same without AMX (whose tiles
-  // are the faster for many rows, the vector kernels on some CPUs for one). Every row of every
-  // call takes the same path until it is set again.
-  void set_path(int64_t p) {
-    HR_CHECK(p == 0 || p == 1, "path must be 0 (best allowed) or 1 (no AMX), got ", p);
-    path = p;
+  // are the faster for many rows, the vector kernels on some CPUs for one). A forward of fewer
+  // than `from` rows takes `few`, a wider one `many`: every row of a forward takes one path, so a
+  // row keeps its bits whatever the other rows of a forward as long as the forwards it is
+  // compared across fall on the same side of `from`.
+  void set_paths(int64_t few, int64_t many, int64_t from) {
+    for (int64_t p : {few, many}) HR_CHECK(p == 0 || p == 1, "path must be 0 (best allowed) or 1 (no AMX), got ", p);
+    HR_CHECK(from >= 1, "from must be >= 1, got ", from);
+    few_path = few, many_path = many, many_from = from;
   }
-  int64_t get_path() const { return path; }
+  std::tuple<int64_t, int64_t, int64_t> get_paths() const { return {few_path, many_path, many_from}; }
 
   void drop_head(int64_t which) {
     HR_CHECK(which > 0 && which < static_cast<int64_t>(head.size()), "no head ", which, " to drop");
@@ -726,6 +731,7 @@ struct DraftStep : torch::CustomClassHolder {
   Tensor run(int64_t n, const int64_t* id, const int64_t* sl, const int64_t* ix, const int64_t* ps, const bool* mk,
              int64_t mask_stride, const Proj& out_head, bool last) {
     const auto f32 = at::TensorOptions().dtype(at::kFloat);
+    const int64_t path = n >= many_from ? many_path : few_path;
     const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * d, half = d / 2;
     const int64_t max_tokens = k_cache.size(3);
     const float scale = 1.f / std::sqrt(static_cast<float>(d)), feps = static_cast<float>(eps);
@@ -928,7 +934,7 @@ TORCH_LIBRARY_FRAGMENT(hetero_run, m) {
       .def("set_norms", &hetero_run_drafter::DraftStep::set_norms)
       .def("set_proj", &hetero_run_drafter::DraftStep::set_proj)
       .def("drop_head", &hetero_run_drafter::DraftStep::drop_head)
-      .def("set_path", &hetero_run_drafter::DraftStep::set_path)
-      .def("path", &hetero_run_drafter::DraftStep::get_path)
+      .def("set_paths", &hetero_run_drafter::DraftStep::set_paths)
+      .def("paths", &hetero_run_drafter::DraftStep::get_paths)
       .def("forward", &hetero_run_drafter::DraftStep::forward);
 }

@@ -9,8 +9,10 @@ rows for the price of one; but a tile holds the NVFP4 weights already scaled, an
 one-row drafter step decoding them that way costs more than the vector kernels' (a Xeon guest:
 SmolLM2-135M with NVFP4 projections 8.9 ms a step on the tiles, 5.0 ms on AVX512-BF16). The
 drafter's bits do not reach the output (the target verifies every draft), so it may take other
-kernels than the target: `calibrate_kernels` times its steps on both and keeps the faster,
-for every row of every call from then on.
+kernels than the target, and may take different ones for a drafting step and for a prompt
+read, where the tiles win (150 tokens: 88 ms on the tiles, 275 ms on the vector kernels):
+`calibrate_kernels` times forwards of 1, 4 and 32 rows on both and keeps the faster for few rows
+and for many, every row of a forward on the same kernels.
 """
 
 from __future__ import annotations
@@ -43,24 +45,25 @@ def drafter_threads(threads: int | None):
         torch.set_num_threads(before)
 
 
-def _median_steps(model: DraftModel, settings: dict, enter: Callable[[object], AbstractContextManager],
-                  steps: int, rounds: int) -> dict:
-    """Median seconds of a one-token drafter step after 33 cached tokens under each setting
-    (`enter(setting)` applies it around the steps), measured in interleaved rounds so a passing
+def _median_steps(model: DraftModel, settings, enter: Callable[[object], AbstractContextManager],
+                  steps: int, rounds: int, rows: int = 1, cached: int = 32) -> dict:
+    """Median seconds of a forward of `rows` tokens after `cached` + 1 cached ones under each setting
+    (`enter(setting)` applies it around the forwards), measured in interleaved rounds so a passing
     load spike hits every setting alike. Leaves the drafter's cache empty."""
     times: dict = {setting: [] for setting in settings}
+    ids = torch.full((rows,), 7)
     model.truncate(0)
-    model.forward(torch.arange(1, 33))
+    model.forward(torch.arange(1, cached + 1))
     model.forward(torch.tensor([7]))
     for _ in range(rounds):
         for setting in settings:
             with enter(setting):
-                model.truncate(33)
-                model.forward(torch.tensor([7]))  # the first step after a switch is not counted
+                model.truncate(cached + 1)
+                model.forward(ids)  # the first forward after a switch is not counted
                 for _ in range(steps):
-                    model.truncate(33)
+                    model.truncate(cached + 1)
                     begin = time.perf_counter()
-                    model.forward(torch.tensor([7]))
+                    model.forward(ids)
                     times[setting].append(time.perf_counter() - begin)
     model.truncate(0)
     return {setting: sorted(t)[len(t) // 2] for setting, t in times.items()}
@@ -73,17 +76,22 @@ def calibrate_threads(model: DraftModel, steps: int = 5, rounds: int = 3) -> int
     current = torch.get_num_threads()
     if current == 1:
         return None
-    median = _median_steps(model, {current: None, 1: None}, drafter_threads, steps, rounds)
+    median = _median_steps(model, (current, 1), drafter_threads, steps, rounds)
     best = min(median, key=median.get)
     log.info("drafter step %.1f ms on %d threads, %.1f ms on 1: drafting on %d", 1e3 * median[current], current,
              1e3 * median[1], best)
     return best
 
 
-def calibrate_kernels(model: DraftModel, steps: int = 5, rounds: int = 3) -> str | None:
-    """Give a compiled drafter step the faster of its kernel choices for a one-token step (AMX
-    tiles or the vector kernels, where both run here) and return its name; None when there is
-    nothing to choose. Leaves the drafter's cache empty."""
+KERNEL_ROWS = (1, 4, 32)  # a drafting step, a catch-up after a round, a prompt read (its first 32 tokens)
+
+
+def calibrate_kernels(model: DraftModel, steps: int = 5, rounds: int = 3) -> tuple[str, str, int] | None:
+    """Give a compiled drafter step, where it has a choice of kernels (AMX tiles or the vector
+    kernels), the faster for one-token drafting steps and the faster for forwards of many rows
+    (a prompt read), measured on forwards of KERNEL_ROWS rows; returns (few, many, many_from) as
+    `DraftStep.kernels` gives it, or None when there is nothing to choose. Leaves the drafter's
+    cache empty."""
     step = getattr(getattr(model, "network", None), "step", None)
     choices = step.kernel_choices() if step is not None else ()
     if len(choices) < 2:
@@ -94,9 +102,32 @@ def calibrate_kernels(model: DraftModel, steps: int = 5, rounds: int = 3) -> str
         step.use_kernels(name)
         yield
 
-    median = _median_steps(model, dict.fromkeys(choices), using, steps, rounds)
-    best = min(median, key=median.get)
-    step.use_kernels(best)
-    log.info("drafter step %s: drafting on %s", ", ".join(f"{1e3 * median[name]:.1f} ms on {KERNEL_LABELS[name]}"
-                                                         for name in choices), KERNEL_LABELS[best])
-    return best
+    medians = {rows: _median_steps(model, choices, using, steps, rounds, rows, cached=16) for rows in KERNEL_ROWS}
+    best = {rows: min(median, key=median.get) for rows, median in medians.items()}
+    few, many = best[KERNEL_ROWS[0]], best[KERNEL_ROWS[-1]]
+    many_from = next((rows for rows in KERNEL_ROWS[1:] if best[rows] == many), KERNEL_ROWS[-1]) if few != many else 1
+    step.use_kernels(few, many, many_from)
+    figures = "; ".join(f"{rows} row{'s' if rows > 1 else ''}: " + ", ".join(
+        f"{1e3 * medians[rows][name]:.1f} ms on {KERNEL_LABELS[name]}" for name in choices) for rows in KERNEL_ROWS)
+    if few == many:
+        log.info("drafter forwards, %s: drafting on %s", figures, KERNEL_LABELS[few])
+    else:
+        log.info("drafter forwards, %s: %s below %d rows, %s from %d", figures, KERNEL_LABELS[few], many_from,
+                 KERNEL_LABELS[many], many_from)
+    return step.kernels
+
+
+def prompt_read_seconds(model: DraftModel, threads: int | None = None, tokens: int = 32, repeats: int = 3) -> float:
+    """Drafter seconds per token of reading a prompt (a forward of `tokens` tokens from an empty
+    cache, last row's logits only, the fastest of `repeats`, on `threads`): the cost model's
+    estimate of a catch-up until it measures one. Leaves the drafter's cache empty."""
+    ids = torch.arange(1, tokens + 1)
+    best = float("inf")
+    with drafter_threads(threads):
+        for _ in range(repeats):
+            model.truncate(0)
+            begin = time.perf_counter()
+            model.forward(ids, last=True)
+            best = min(best, time.perf_counter() - begin)
+    model.truncate(0)
+    return best / tokens

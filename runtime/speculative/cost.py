@@ -23,7 +23,9 @@ the target verifies chains only. Every figure is measured as the rounds run:
   tenths of the count estimate (suffix tree), so the estimates are calibrated, not trusted.
 
 A drafter the model does not pick is re-measured every `auto_explore_every` rounds, while
-what these rounds are expected to lose stays under EXPLORE_SHARE of the measured time.
+what these rounds are expected to lose stays under EXPLORE_SHARE of the time measured so far
+and of what the sequence has still to emit at the best rate (its first catch-up reads the whole
+prompt, so on a short run that rule alone would never let it be measured).
 Until the first measurements the model starts from a 30 ms step, rows costing 15% of a step and
 60% acceptance; the first rounds replace them. The search is exhaustive over k and m (one
 incremental pass per k), well under a millisecond for the usual sizes.
@@ -179,13 +181,15 @@ class Choice:
 class CostModel:
     """What one engine measured (kept from prompt to prompt, per sampling mode)."""
 
-    def __init__(self, config):
+    def __init__(self, config, catch_up_s: float | None = None):
+        """`catch_up_s`: drafter seconds per token of a prompt read, measured when the engine started
+        (the prior until catch-ups are measured; PRIOR_CATCH_UP_S without it)."""
         self.config = config
         self.verify = VerifyCost()
         self.tree_verify = VerifyCost(self.verify)
         self.acceptance = Acceptance()
         self.draft = _Line()  # drafter seconds (catch-up excluded) over units drafted
-        self.catch_up = _Mean(PRIOR_CATCH_UP_S, 0.5)  # drafter seconds per caught-up token
+        self.catch_up = _Mean(catch_up_s or PRIOR_CATCH_UP_S, 0.5)  # drafter seconds per caught-up token
         self.rows_per_unit = _Mean(1.0, 1.0)  # target rows per drafted unit (slem: per drafter token)
         self.modelfree_seconds = _Mean(0.0, 1e-9)
         self.rounds = 0
@@ -220,12 +224,13 @@ class CostModel:
     # -- the choice -----------------------------------------------------------------------------
     def choose(self, modelfree: list[tuple[int, float]], model: bool, tree: bool, pending: int = 0,
                k_range: tuple[int, int] | None = None, allow_none: bool = True, max_rows: int = 32,
-               verify=None) -> Choice:
+               verify=None, remaining: int = 0) -> Choice:
         """modelfree: (depth, reach) of the model-free nodes in the order they would be added
         (most likely first, parents before children); model: the drafter may run, with k in
         k_range (default min_draft_len..max_draft_len, or not at all); verify: seconds of n verify
         rows when the caller knows better than this model's forwards (a batching engine: the
-        sequence's share of its step)."""
+        sequence's share of its step); remaining: tokens the sequence may still emit (what
+        re-measuring the drafter may cost counts them at the best rate)."""
         self.rounds += 1
         v = verify or (self.tree_verify if tree else self.verify)  # seconds by rows
         a = min(self.acceptance.prob(MODEL, 0), 0.995)
@@ -274,7 +279,8 @@ class CostModel:
                 self.config.auto_explore_every:
             drafter = Choice(best_model[1], 0, best_model[3], best_model[4], 1 + best_model[2])
             loss = max(0.0, drafter.seconds - drafter.expected / best.rate)  # expected, in seconds
-            if self.explore_loss + loss <= EXPLORE_SHARE * self.elapsed:
+            # the share of this engine's measured time and of what this sequence has still to emit
+            if self.explore_loss + loss <= EXPLORE_SHARE * (self.elapsed + remaining / best.rate):
                 log.debug("auto: re-measuring the drafter (%s expected %.1f tok/s, best %s %.1f tok/s)",
                           drafter.label("drafter"), drafter.rate, best.label("drafter"), best.rate)
                 self.explore_loss += loss

@@ -256,7 +256,7 @@ def test_each_kernel_choice_keeps_every_row_alone_and_right(kernels, kind):
                     f"{batched.kernel_choices()}")
     for step in (batched, alone):
         step.use_kernels(kernels)
-        assert step.kernels == kernels
+        assert step.kernels == (kernels, kernels, 1)
     reference = make_step(weights, compiled=False, shape=WIDE)
     for script in SCRIPT:
         together = batched.forward(*rows(*script))
@@ -267,9 +267,30 @@ def test_each_kernel_choice_keeps_every_row_alone_and_right(kernels, kind):
 
 
 @needs_compiled
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_few_rows_and_many_rows_may_take_different_kernels(n):
+    """A drafting step on the vector kernels and a prompt read on the tiles: a forward of fewer
+    than `many_from` rows has the bits (logits and cache) of the vector kernels, a wider one those
+    of the tiles."""
+    weights = _bf16_activations(tiny_weights("nvfp4", qkv_bias=True, seed=8, shape=WIDE))
+    split = make_step(weights, shape=WIDE)
+    if split.kernel_choices() != ("amx", "vector"):
+        pytest.skip(f"AMX is not a choice here (not listed by CPUID or not self-tested): {split.kernel_choices()}")
+    split.use_kernels("vector", "amx", many_from=3)
+    assert split.kernels == ("vector", "amx", 3)
+    single = make_step(weights, shape=WIDE)
+    single.use_kernels("amx" if n >= 3 else "vector")
+    chain = rows(*[(5 + i, 0, i) for i in range(n)])
+    assert torch.equal(split.forward(*chain), single.forward(*chain))
+    assert torch.equal(split.k_cache, single.k_cache) and torch.equal(split.v_cache, single.v_cache)
+
+
+@needs_compiled
 def test_kernels_that_are_not_a_choice_are_refused():
     step = make_step(tiny_weights("fp32"), compiled=True)  # float32 activations: no AMX to choose
-    assert step.kernel_choices() == ("vector",) and step.kernels == "vector"
+    assert step.kernel_choices() == ("vector",) and step.kernels == ("vector", "vector", 1)
     with pytest.raises(ValueError, match="kernels 'amx' are not available here; choose from vector"):
         step.use_kernels("amx")
+    with pytest.raises(ValueError, match="kernels 'tiles' are not available here"):
+        step.use_kernels("vector", "tiles")
     assert make_step(tiny_weights("fp32"), compiled=False).kernel_choices() == ("reference",)

@@ -22,8 +22,9 @@ def test_threads_are_restored_and_calibration_picks_a_measured_count():
 
 
 def test_kernel_calibration_keeps_the_faster_of_amx_and_the_vector_kernels():
-    """Where the CPU kernels may use AMX, a compiled drafter step is timed on the tiles and on the
-    vector kernels and keeps the faster; elsewhere there is nothing to choose."""
+    """Where the CPU kernels may use AMX, a compiled drafter step's forwards of few and of many rows
+    are timed on the tiles and on the vector kernels and each keeps the faster; elsewhere there is
+    nothing to choose."""
     import pytest
 
     from hetero_run.kernels.drafter_step import compiled_available
@@ -44,9 +45,11 @@ def test_kernel_calibration_keeps_the_faster_of_amx_and_the_vector_kernels():
     chosen = calibrate_kernels(model)
     assert model.length == 0
     if choices == ("vector",):
-        assert chosen is None and bf16.step.kernels == "vector"
+        assert chosen is None and bf16.step.kernels == ("vector", "vector", 1)
     else:
-        assert choices == ("amx", "vector") and chosen in choices and bf16.step.kernels == chosen
+        few, many, many_from = chosen
+        assert choices == ("amx", "vector") and few in choices and many in choices and many_from in (1, 4, 32)
+        assert bf16.step.kernels == chosen and (many_from == 1) == (few == many)
     fp32 = DraftNetwork(dense, 1, 64)  # float32 activations: the tiles do not apply
     assert calibrate_kernels(FastDraftModel(fp32, fp32.acquire())) is None
     assert calibrate_kernels(HFDraftModel(support.tiny_model(support.sentencepiece(), "llama", seed=1))) is None
