@@ -7,6 +7,9 @@ and an input-grounded prompt set, at TP=1 and TP=2, greedy and sampled, in one r
                                 [--algorithms none,ngram,suffix,drafter,hybrid,auto] [--new-tokens 64]
                                 [--prompts N] [--transformers] [--no-llama-cpp] [--out DIR]
 
+A row of --algorithms may set fields of SpeculationConfig in brackets, compared side by side
+with the defaults in the same run: `--algorithms "none,auto,auto[prompt_lookup_min=1]"`.
+
 Target: Qwen2.5-Coder-0.5B-Instruct through the runtime's model code (the NVFP4 checkpoint from
 `fetch`, or the GGUF in bf16); TP=2 runs the same measurements under `mpirun -np 2` (one core per
 rank, the drafter on rank 0). Drafter: SmolLM2-135M-Instruct (another vocabulary, NVFP4
@@ -44,6 +47,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -69,7 +73,9 @@ def main() -> None:
     parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes (2: under mpirun -np 2)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--modes", default="greedy,sampled")
-    parser.add_argument("--algorithms", default="none,ngram,suffix,drafter,hybrid,auto")
+    parser.add_argument("--algorithms", default="none,ngram,suffix,drafter,hybrid,auto",
+                        help="rows; a row may set speculation fields in brackets, as in "
+                             "'auto[prompt_lookup_min=1,suffix_spec_factor=2]' (each field of SpeculationConfig)")
     parser.add_argument("--prompts", type=int, default=0, help="first N prompts of each set (0: all)")
     parser.add_argument("--transformers", action="store_true", help="also transformers alone and assisted (slow)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
@@ -111,6 +117,36 @@ def _prompts(name: str, first: int) -> list[dict]:
     return entries
 
 
+def _rows(spec: str) -> list[str]:
+    """--algorithms split at the commas outside brackets."""
+    return [part for part in re.split(r",(?![^\[]*\])", spec) if part]
+
+
+def _overrides(row: str) -> tuple[str, dict]:
+    """'auto[prompt_lookup_min=1,suffix_min_prob=0.05]' -> ('auto', {...}), each value of its field's type."""
+    import dataclasses
+
+    from hetero_run.runtime.speculative.config import SpeculationConfig
+
+    name, _, rest = row.partition("[")
+    if not rest:
+        return name, {}
+    if not rest.endswith("]"):
+        raise SystemExit(f"--algorithms: {row!r} has no closing bracket")
+    types = {f.name: f.type for f in dataclasses.fields(SpeculationConfig)}
+    out = {}
+    for item in rest[:-1].split(","):
+        key, _, value = item.partition("=")
+        if key not in types or key in ("algorithm", "hybrid", "modelfree"):
+            raise SystemExit(f"--algorithms: {key!r} in {row!r} is not a speculation field this bench can set")
+        cast = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}.get(types[key], str)
+        try:
+            out[key] = cast(value)
+        except ValueError:
+            raise SystemExit(f"--algorithms: {key}={value!r} in {row!r} is not a {types[key]}") from None
+    return name, out
+
+
 def _sampling(mode: str) -> dict:
     return dict(SAMPLED, seed=0) if mode == "sampled" else {}
 
@@ -122,7 +158,7 @@ def _measure(args, sets: dict, ctx=None) -> list[dict]:
     try:
         for name, prompts in sets.items():
             for mode in args.modes.split(","):
-                for row in runtime.run(args.algorithms.split(","), mode, prompts, args.new_tokens, _sampling(mode)):
+                for row in runtime.run(_rows(args.algorithms), mode, prompts, args.new_tokens, _sampling(mode)):
                     rows.append({**row, "set": name, "tp": tp})
                     _progress(rows[-1])
     finally:
@@ -216,13 +252,16 @@ class RuntimePair:
         params = SamplingParams(**sampling)
         drafter_algorithm = "slem" if mode == "greedy" else "tli"
         engines, rows = {}, []
-        for algorithm in algorithms:
+        for row in algorithms:
+            algorithm, fields = _overrides(row)
             name = {"drafter": drafter_algorithm, "hybrid": drafter_algorithm}.get(algorithm, algorithm)
             label = f"{name} + model-free (hybrid)" if algorithm == "hybrid" else name
+            if fields:
+                label += " [" + ", ".join(f"{k}={v}" for k, v in fields.items()) + "]"
             drafter = None if name in ("none", *MODEL_FREE) else self.drafter
             try:
                 engine = SpeculativeEngine(self.runner, self.tokenizer, drafter,
-                                           SpeculationConfig(algorithm=name, hybrid=algorithm == "hybrid"))
+                                           SpeculationConfig(algorithm=name, hybrid=algorithm == "hybrid", **fields))
             except UserError as e:
                 rows.append({"system": "hetero-run", "algorithm": label, "mode": mode, "skipped": str(e)})
                 continue

@@ -34,3 +34,16 @@ def test_earlier_outputs_are_occurrences_too_and_the_depth_caps_a_round():
 def test_nothing_to_copy_is_one_token_a_round_at_the_plain_speed():
     out = bench.foresight([[1, 2, 3]], [[4, 5, 6, 7]], VERIFY)
     assert out == {"tokens_per_round": 1.0, "decode_speedup": 1.0, "depth": 16}
+
+
+def test_a_row_may_set_speculation_fields_and_a_wrong_one_is_named():
+    rows = bench._rows("none,auto[prompt_lookup_min=1,suffix_min_prob=0.05],suffix")
+    assert rows == ["none", "auto[prompt_lookup_min=1,suffix_min_prob=0.05]", "suffix"]
+    assert bench._overrides(rows[1]) == ("auto", {"prompt_lookup_min": 1, "suffix_min_prob": 0.05})
+    assert bench._overrides("none") == ("none", {})
+    with pytest.raises(SystemExit, match="'draft_length' in 'auto\\[draft_length=3\\]' is not a speculation field"):
+        bench._overrides("auto[draft_length=3]")
+    with pytest.raises(SystemExit, match="prompt_lookup_min='x'"):
+        bench._overrides("auto[prompt_lookup_min=x]")
+    with pytest.raises(SystemExit, match="no closing bracket"):
+        bench._overrides("auto[prompt_lookup_min=1")
