@@ -21,13 +21,38 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// tmm0, tmm3 = C [16][n] f32; tmm1, tmm4 = A [16][32] bf16; tmm2, tmm5 = B [16][n] bf16 pairs.
+// One group of x rows (n <= 16): tmm0, tmm3 = C [16][n] f32; tmm1, tmm4 = A [16][32] bf16; tmm2,
+// tmm5 = B [16][n] bf16 pairs.
 HR_AMX void amx_configure(int64_t n) {
   TileConfig cfg;
   for (int t : {0, 3}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(n * 4);
   for (int t : {1, 4}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   for (int t : {2, 5}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(n * 4);
   // gcc's _tile_loadconfig tells the optimiser it reads 8 bytes only; keep all 64 bytes stored.
+  __asm__ volatile("" : : "m"(cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// Two groups of x rows, 16 and n1 <= 16 (NVFP4): tmm0, tmm1 = C of group 0 and tmm2, tmm3 = C of
+// group 1 (two accumulators each, as above); tmm4, tmm5 = A; tmm6, tmm7 = B of group 0 and 1.
+HR_AMX void amx_configure_pair(int64_t n1) {
+  TileConfig cfg;
+  for (int t : {0, 1, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  for (int t : {2, 3, 7}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(n1 * 4);
+  for (int t : {4, 5}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  __asm__ volatile("" : : "m"(cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// Up to three groups of x rows (dense): tmm0-2 = C of group g [16][n_g] f32; tmm3, tmm4 = A (in
+// turn); tmm5-7 = B of group g [16][n_g]. widths: the groups' row counts.
+HR_AMX void amx_configure_groups(const int64_t* widths, int groups) {
+  TileConfig cfg;
+  for (int g = 0; g < groups; ++g) {
+    cfg.rows[g] = 16, cfg.colsb[g] = static_cast<uint16_t>(widths[g] * 4);
+    cfg.rows[5 + g] = 16, cfg.colsb[5 + g] = static_cast<uint16_t>(widths[g] * 4);
+  }
+  for (int t : {3, 4}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   __asm__ volatile("" : : "m"(cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
@@ -144,19 +169,90 @@ HR_AMX void nvfp4_blocks_amx(const uint32_t* xt, int64_t n, int64_t in, const ui
   _tile_release();
 }
 
+// The same for 17-32 rows of x in two groups (16 and n - 16): each A tile decoded once serves
+// both, so the weights are read and decoded once for 32 rows instead of twice. Each C element
+// sums the same products in the same order as above (even chunks in one accumulator, odd in the
+// other, their sum at the end), so a row has the bits it gets in a one-group pass.
+HR_AMX void nvfp4_blocks_amx_pair(const uint32_t* xt, int64_t n, int64_t in, const uint8_t* codes,
+                                  const uint8_t* scales, const float* row_scale, int64_t out, float* y, int64_t b0,
+                                  int64_t b1) {
+  const int64_t nblocks = in / kGroup, main = in / 128 * 128, n1 = n - 16;
+  amx_configure_pair(n1);
+  alignas(64) uint16_t abuf[2][4][16 * 32];
+  alignas(64) float c[4][16 * 16];
+  std::vector<float> sbuf(16 * nblocks);
+  const int64_t stride = 16 * n;  // bytes from one B row to the next: 4 pairs of n dwords
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const int64_t o0 = blk * 16, rows = std::min<int64_t>(16, out - o0);
+    for (int64_t r = 0; r < rows; ++r) row_scales(scales + (o0 + r) * nblocks, nblocks, sbuf.data() + r * nblocks);
+    if (rows < 16) std::memset(abuf, 0, sizeof(abuf));
+    const uint8_t* cb = codes + o0 * (in / 2);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < main; k += 128) {
+      uint16_t(*a)[16 * 32] = abuf[(k / 128) & 1];
+      nvfp4_tiles_a128(cb, sbuf.data(), in, rows, k, a);
+      const uint32_t* b = xt + (k / 2) * n;
+      _tile_loadd(4, a[0], 64);
+      _tile_loadd(6, b, stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b + 16, stride);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, a[1], 64);
+      _tile_loadd(6, b + n, stride);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_loadd(7, b + n + 16, stride);
+      _tile_dpbf16ps(3, 5, 7);
+      _tile_loadd(4, a[2], 64);
+      _tile_loadd(6, b + 2 * n, stride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, b + 2 * n + 16, stride);
+      _tile_dpbf16ps(2, 4, 7);
+      _tile_loadd(5, a[3], 64);
+      _tile_loadd(6, b + 3 * n, stride);
+      _tile_dpbf16ps(1, 5, 6);
+      _tile_loadd(7, b + 3 * n + 16, stride);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    for (int64_t k = main; k < in; k += 32) {
+      uint16_t* a = abuf[(k / 32) & 1][0];
+      nvfp4_tile_a32(cb, sbuf.data(), in, rows, k, a);
+      _tile_loadd(4, a, 64);
+      _tile_loadd(6, xt + (k / 2) * n, n * 4);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_loadd(7, xt + (k / 2) * n + 16, n * 4);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], n1 * 4);
+    _tile_stored(3, c[3], n1 * 4);
+    for (int64_t i = 0; i < 16 * 16; ++i) c[0][i] += c[1][i];
+    for (int64_t i = 0; i < 16 * n1; ++i) c[2][i] += c[3][i];
+    amx_store_rows(c[0], 16, o0, rows, row_scale, y, out);
+    amx_store_rows(c[2], n1, o0, rows, row_scale, y + 16 * out, out);
+  }
+  _tile_release();
+}
+
 }  // namespace
 
-// Any number of x rows, 16 at a time (a prefill re-dequantises W per 16 rows, still faster than
+// Any number of x rows, up to 32 a pass (a prefill decodes W once per 32 rows, still faster than
 // dequantising once and multiplying in float32). Each C element accumulates its row's products
-// in the same order whatever the other rows of the tile are.
+// in the same order whatever the other rows of the pass are.
 
 void nvfp4_linear_amx(const uint16_t* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
                       const float* row_scale, int64_t out, float* y) {
-  for (int64_t i0 = 0; i0 < n; i0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - i0);
+  for (int64_t i0 = 0; i0 < n; i0 += 32) {
+    const int64_t m = std::min<int64_t>(32, n - i0);
     const std::vector<uint32_t> xt = pairs_transposed(x + i0 * in, m, in);
     at::parallel_for(0, (out + 15) / 16, grain_rows(16 * (in / 2 + in / kGroup)), [&](int64_t b0, int64_t b1) {
-      nvfp4_blocks_amx(xt.data(), m, in, codes, scales, row_scale, out, y + i0 * out, b0, b1);
+      if (m <= 16)
+        nvfp4_blocks_amx(xt.data(), m, in, codes, scales, row_scale, out, y + i0 * out, b0, b1);
+      else
+        nvfp4_blocks_amx_pair(xt.data(), m, in, codes, scales, row_scale, out, y + i0 * out, b0, b1);
     });
   }
 }
@@ -190,14 +286,67 @@ HR_AMX void dense_blocks_amx(const uint32_t* xt, int64_t n, int64_t in, const ui
   _tile_release();
 }
 
+// The same for 17-48 rows of x in two or three groups of up to 16: each A tile loaded once serves
+// every group, so the weights stream once for 48 rows. Each C element sums its row's products in
+// the same order as above (one accumulator, the inputs in order), so a row has the same bits.
+template <int G>
+HR_AMX void dense_blocks_amx_groups(const uint32_t* xt, int64_t n, int64_t in, const uint16_t* w, int64_t out,
+                                    float* y, int64_t b0, int64_t b1) {
+  int64_t widths[3] = {16, 16, 16};
+  widths[G - 1] = n - 16 * (G - 1);
+  amx_configure_groups(widths, G);
+  alignas(64) uint16_t a[16 * 32];
+  alignas(64) float c[16 * 16];
+  for (int64_t blk = b0; blk < b1; ++blk) {
+    const int64_t o0 = blk * 16, rows = std::min<int64_t>(16, out - o0);
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (G > 2) _tile_zero(2);
+    for (int64_t k = 0; k < in; k += 32) {
+      if (rows == 16) {
+        for (int64_t r = 0; r < 16; ++r)
+          _mm_prefetch(reinterpret_cast<const char*>(w + (o0 + 16 + r) * in + k), _MM_HINT_T0);
+        _tile_loadd(3, w + o0 * in + k, in * 2);
+      } else {
+        std::memset(a, 0, sizeof(a));
+        for (int64_t r = 0; r < rows; ++r) std::memcpy(a + r * 32, w + (o0 + r) * in + k, 64);
+        _tile_loadd(3, a, 64);
+      }
+      const uint32_t* b = xt + (k / 2) * n;
+      _tile_loadd(5, b, n * 4);
+      _tile_dpbf16ps(0, 3, 5);
+      _tile_loadd(6, b + 16, n * 4);
+      _tile_dpbf16ps(1, 3, 6);
+      if constexpr (G > 2) {
+        _tile_loadd(7, b + 32, n * 4);
+        _tile_dpbf16ps(2, 3, 7);
+      }
+    }
+    _tile_stored(0, c, 64);
+    amx_store_rows(c, 16, o0, rows, nullptr, y, out);
+    _tile_stored(1, c, widths[1] * 4);
+    amx_store_rows(c, widths[1], o0, rows, nullptr, y + 16 * out, out);
+    if constexpr (G > 2) {
+      _tile_stored(2, c, widths[2] * 4);
+      amx_store_rows(c, widths[2], o0, rows, nullptr, y + 32 * out, out);
+    }
+  }
+  _tile_release();
+}
+
 }  // namespace
 
 void dense_linear_amx(const uint16_t* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y) {
-  for (int64_t i0 = 0; i0 < n; i0 += 16) {
-    const int64_t m = std::min<int64_t>(16, n - i0);
+  for (int64_t i0 = 0; i0 < n; i0 += 48) {
+    const int64_t m = std::min<int64_t>(48, n - i0);
     const std::vector<uint32_t> xt = pairs_transposed(x + i0 * in, m, in);
     at::parallel_for(0, (out + 15) / 16, grain_rows(16 * in * 2), [&](int64_t b0, int64_t b1) {
-      dense_blocks_amx(xt.data(), m, in, w, out, y + i0 * out, b0, b1);
+      if (m <= 16)
+        dense_blocks_amx(xt.data(), m, in, w, out, y + i0 * out, b0, b1);
+      else if (m <= 32)
+        dense_blocks_amx_groups<2>(xt.data(), m, in, w, out, y + i0 * out, b0, b1);
+      else
+        dense_blocks_amx_groups<3>(xt.data(), m, in, w, out, y + i0 * out, b0, b1);
     });
   }
 }

@@ -63,7 +63,8 @@ def _skip_amx_unless_tiles_fit(isa, in_features: int) -> None:
 @pytest.mark.parametrize("inp", [256, 896, 4864, 80])
 def test_each_compiled_path_is_batch_invariant(isa, inp):
     """Every path the CPU runs, forced, at every row count (1-4 rows decode in registers, more
-    through tiles, prefill-sized in several passes): the same bits as each row alone."""
+    through tiles in one, two or three groups per weight pass, prefill-sized in several passes):
+    the same bits as each row alone."""
     _skip_amx_unless_tiles_fit(isa, inp)
     lib = cpu_ext.ops()
     g = torch.Generator().manual_seed(inp)
@@ -74,7 +75,7 @@ def test_each_compiled_path_is_batch_invariant(isa, inp):
     for dtype in [torch.bfloat16] if isa.bf16_only else [torch.bfloat16, torch.float32]:
         x = torch.randn(70, inp, generator=g).to(dtype)
         wd = w.to(dtype)
-        for n in (2, 4, 5, 17, 70):
+        for n in (2, 4, 5, 17, 24, 40, 70):
             rows = x[:n]
             assert _row_by_row_equal(lambda r: lib.nvfp4_linear(r, q.codes, scales, row_scale, isa.path), rows) == []
             assert _row_by_row_equal(lambda r, wd=wd: lib.dense_linear(r, wd, isa.path), rows) == []
