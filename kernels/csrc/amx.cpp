@@ -44,15 +44,15 @@ HR_AMX void amx_configure_pair(int64_t n1) {
   _tile_loadconfig(&cfg);
 }
 
-// Up to three groups of x rows (dense): tmm0-2 = C of group g [16][n_g] f32; tmm3, tmm4 = A (in
-// turn); tmm5-7 = B of group g [16][n_g]. widths: the groups' row counts.
+// Up to three groups of x rows (dense): tmm0-2 = C of group g [16][n_g] f32; tmm3 = A; tmm5-7 = B
+// of group g [16][n_g]. widths: the groups' row counts.
 HR_AMX void amx_configure_groups(const int64_t* widths, int groups) {
   TileConfig cfg;
   for (int g = 0; g < groups; ++g) {
     cfg.rows[g] = 16, cfg.colsb[g] = static_cast<uint16_t>(widths[g] * 4);
     cfg.rows[5 + g] = 16, cfg.colsb[5 + g] = static_cast<uint16_t>(widths[g] * 4);
   }
-  for (int t : {3, 4}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  cfg.rows[3] = 16, cfg.colsb[3] = 64;
   __asm__ volatile("" : : "m"(cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
