@@ -22,6 +22,13 @@ the target verifies chains only. Every figure is measured as the rounds run:
   tested when the walk reached its parent; buckets are the match length (prompt lookup) and
   tenths of the count estimate (suffix tree), so the estimates are calibrated, not trusted.
 
+The drafter reads what it has not seen before it drafts (`pending`: the prompt, the first time;
+the tokens of rounds it sat out), at its measured seconds per token. A long backlog is paid once
+and every later round drafts from there, so when the drafter would win a round with its backlog
+read (STEADY_PENDING tokens behind), the model reads the backlog as soon as what the tokens the
+sequence is likely still to emit save at that rate covers it CATCH_UP_MARGIN times over: a round
+priced with the whole backlog never looks worth it, and the drafter would never run on long prompts.
+
 A drafter the model does not pick is re-measured every `auto_explore_every` rounds, while
 what these rounds are expected to lose stays under EXPLORE_SHARE of the time measured so far
 and of what the sequence has still to emit at the best rate (its first catch-up reads the whole
@@ -47,6 +54,9 @@ PRIOR_ROW_SHARE = 0.15
 PRIOR_ACCEPT = 0.6
 PRIOR_CATCH_UP_S = 0.01  # pessimistic until measured: the first re-measurement reads the whole prompt
 EXPLORE_SHARE = 0.02  # re-measuring a drafter auto does not pick may cost this share of the time at most
+STEADY_PENDING = 8  # tokens a drafter that drafts round after round reads before each draft, about
+CATCH_UP_HORIZON = 64  # tokens a sequence is taken to go on for at least (more once it has emitted more)
+CATCH_UP_MARGIN = 2.0  # a backlog is read when the tokens ahead save this many times its cost
 
 
 def _cross(a: tuple[float, float], b: tuple[float, float], c: tuple[float, float]) -> float:
@@ -70,13 +80,16 @@ class VerifyCost:
     def __init__(self, fallback: VerifyCost | None = None):
         self.by_rows: dict[int, _Mean] = {}
         self.line = _Line()
-        self.fallback = fallback  # tree forwards start from the chain figures
+        self.fallback = fallback  # tree forwards: the chain figures where their own are missing
+        self.records = 0
         self._table: dict[int, float] = {}
+        self._fallback_records = 0  # the fallback's records when the table was made
         self._points: list[tuple[float, float]] = []
 
     def record(self, rows: int, seconds: float) -> None:
         self.by_rows.setdefault(rows, _Mean()).add(seconds)
         self.line.add(rows, seconds)
+        self.records += 1
         self._table.clear()
         self._points = []
 
@@ -85,6 +98,9 @@ class VerifyCost:
         return bool(self.by_rows)
 
     def __call__(self, rows: int) -> float:
+        if self.fallback is not None and self.fallback.records != self._fallback_records:
+            self._table.clear()  # estimates made from the fallback's older figures
+            self._fallback_records = self.fallback.records
         value = self._table.get(rows)
         if value is None:
             value = self._table[rows] = self._estimate(rows)
@@ -118,6 +134,11 @@ class VerifyCost:
                 return self.fallback(rows)
             return PRIOR_STEP_S * (1 + PRIOR_ROW_SHARE * (rows - 1))
         points = self._pooled()
+        if rows < points[0][0] and self.fallback is not None and self.fallback.measured:
+            # fewer rows than any measured here (a tree round that verifies one row is a decode):
+            # the fallback's figure, never above the fewest rows measured here; the line through
+            # noisy larger counts, extended downwards, can price one row at half a decode
+            return min(self.fallback(rows), points[0][1])
         for (x0, y0), (x1, y1) in pairwise(points):
             if x0 <= rows <= x1:
                 return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
@@ -224,15 +245,52 @@ class CostModel:
     # -- the choice -----------------------------------------------------------------------------
     def choose(self, modelfree: list[tuple[int, float]], model: bool, tree: bool, pending: int = 0,
                k_range: tuple[int, int] | None = None, allow_none: bool = True, max_rows: int = 32,
-               verify=None, remaining: int = 0) -> Choice:
+               verify=None, remaining: int = 0, generated: int = 0) -> Choice:
         """modelfree: (depth, reach) of the model-free nodes in the order they would be added
         (most likely first, parents before children); model: the drafter may run, with k in
-        k_range (default min_draft_len..max_draft_len, or not at all); verify: seconds of n verify
-        rows when the caller knows better than this model's forwards (a batching engine: the
-        sequence's share of its step); remaining: tokens the sequence may still emit (what
-        re-measuring the drafter may cost counts them at the best rate)."""
+        k_range (default min_draft_len..max_draft_len, or not at all); pending: tokens the drafter
+        must read before it drafts; verify: seconds of n verify rows when the caller knows better
+        than this model's forwards (a batching engine: the sequence's share of its step);
+        remaining: tokens the sequence may still emit; generated: tokens it has emitted (with
+        remaining, how long it is likely to go on: what catching the drafter up and re-measuring
+        it may cost is weighed against that)."""
         self.rounds += 1
         v = verify or (self.tree_verify if tree else self.verify)  # seconds by rows
+        best, best_model = self._search(modelfree, model, tree, pending, k_range, allow_none, max_rows, v)
+        ahead = min(remaining, max(CATCH_UP_HORIZON, generated))  # tokens it is likely still to emit
+        steady = min(pending, STEADY_PENDING)
+        if model and best.k == 0 and pending > steady and ahead > 0:
+            # Catching the drafter up on a long backlog (a prompt it never read) is paid once, and
+            # every later round drafts from there: a round priced with the whole backlog never
+            # looks worth it. Price the drafter as it runs once caught up; pay the backlog when
+            # what the remaining tokens save at that rate covers it CATCH_UP_MARGIN times.
+            caught_up, _ = self._search(modelfree, model, tree, steady, k_range, allow_none, max_rows, v)
+            if caught_up.k and caught_up.rate > best.rate:
+                backlog = self.catch_up.value * (pending - steady)
+                saving = ahead * (1.0 / best.rate - 1.0 / caught_up.rate)
+                if saving >= CATCH_UP_MARGIN * backlog:
+                    log.debug("auto: catching the drafter up on %d tokens (%.2f s) for %s at %.1f tok/s against "
+                              "%s at %.1f tok/s over %d tokens", pending, backlog, caught_up.label("drafter"),
+                              caught_up.rate, best.label("drafter"), best.rate, ahead)
+                    best = Choice(caught_up.k, caught_up.m, caught_up.expected, caught_up.seconds + backlog,
+                                  caught_up.rows)
+        if best_model is not None and best.k == 0 and self.rounds - self.last_model_round >= \
+                self.config.auto_explore_every:
+            drafter = Choice(best_model[1], 0, best_model[3], best_model[4], 1 + best_model[2])
+            loss = max(0.0, drafter.seconds - drafter.expected / best.rate)  # expected, in seconds
+            # the share of this engine's measured time and of what this sequence has still to emit
+            if self.explore_loss + loss <= EXPLORE_SHARE * (self.elapsed + remaining / best.rate):
+                log.debug("auto: re-measuring the drafter (%s expected %.1f tok/s, best %s %.1f tok/s)",
+                          drafter.label("drafter"), drafter.rate, best.label("drafter"), best.rate)
+                self.explore_loss += loss
+                best = drafter
+        if best.k:
+            self.last_model_round = self.rounds
+        return best
+
+    def _search(self, modelfree, model, tree, pending, k_range, allow_none, max_rows, v):
+        """The best choice with the drafter `pending` tokens behind, and the drafter's best chain
+        alone as (rate, k, rows, expected, seconds) (None when it may not run)."""
         a = min(self.acceptance.prob(MODEL, 0), 0.995)
         per_unit = self.rows_per_unit.value
         best_model = None  # (rate, k, rows, expected, seconds): the drafter's chain alone
@@ -275,19 +333,7 @@ class CostModel:
                     best = Choice(k, m, expected, base + v(rows), rows)
         if best is None:
             best = Choice(0, 0, 1.0, v(1), 1)
-        if best_model is not None and best.k == 0 and self.rounds - self.last_model_round >= \
-                self.config.auto_explore_every:
-            drafter = Choice(best_model[1], 0, best_model[3], best_model[4], 1 + best_model[2])
-            loss = max(0.0, drafter.seconds - drafter.expected / best.rate)  # expected, in seconds
-            # the share of this engine's measured time and of what this sequence has still to emit
-            if self.explore_loss + loss <= EXPLORE_SHARE * (self.elapsed + remaining / best.rate):
-                log.debug("auto: re-measuring the drafter (%s expected %.1f tok/s, best %s %.1f tok/s)",
-                          drafter.label("drafter"), drafter.rate, best.label("drafter"), best.rate)
-                self.explore_loss += loss
-                best = drafter
-        if best.k:
-            self.last_model_round = self.rounds
-        return best
+        return best, best_model
 
     def summary(self, verify=None) -> str:
         cells = ", ".join(f"{'model' if s == MODEL else 'ngram' if s == 2 else 'suffix'}[{b}] {m.value:.2f}"

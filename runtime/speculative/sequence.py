@@ -204,7 +204,8 @@ class SpeculativeSequence:
         if priced:
             choice = self.cost.choose(figures, use_model, self.trees, pending, k_range, policy != "modelfree", room,
                                       verify=self.verify_estimate,
-                                      remaining=self.max_new_tokens - len(self.token_ids))
+                                      remaining=self.max_new_tokens - len(self.token_ids),
+                                      generated=len(self.token_ids))
         else:  # fixed sizes: the drafter's k and every model-free candidate that fits
             k = k_range[0] if k_range else 0
             choice = Choice(k, len(figures), 0.0, 1.0, 0)

@@ -54,6 +54,63 @@ def test_verify_cost_never_prices_more_rows_below_fewer():
     assert [w(r) for r in (1, 2, 5, 9, 16)] == pytest.approx([0.02 + 0.001 * r * r for r in (1, 2, 5, 9, 16)])
 
 
+def test_tree_costs_follow_the_chain_figures_until_measured_and_below_their_rows():
+    """A tree forward's estimate takes the chain's figures where it has none of its own: from
+    the chain's latest records (not from what the chain said when it was first asked), and for
+    fewer rows than any tree measured (a one-row round is a decode, whatever the tree line
+    through larger, noisier counts would say when extended downwards)."""
+    chain = VerifyCost()
+    tree = VerifyCost(chain)
+    assert tree(1) == pytest.approx(0.03)  # the starting assumption, asked before anything ran
+    for _ in range(5):
+        chain.record(1, 0.040)
+        chain.record(5, 0.048)
+    assert tree(1) == pytest.approx(0.040) and tree(5) == pytest.approx(0.048)
+    for seconds in (0.060, 0.050):  # trees of 9 and 17 rows, noisy: their line falls steeply to 1 row
+        tree.record(9, seconds)
+        tree.record(17, seconds + 0.035)
+    assert tree(1) == pytest.approx(0.040) and tree(2) == pytest.approx(chain(2))
+    assert tree(9) == pytest.approx(0.055, rel=0.02) and tree(17) == pytest.approx(0.090, rel=0.02)
+    rows = [tree(r) for r in range(1, 33)]
+    assert all(b >= a for a, b in pairwise(rows))
+    fast = VerifyCost(chain)
+    fast.record(9, 0.030)  # trees measured cheaper than the chain's one row: never priced above them
+    assert fast(1) == pytest.approx(0.030)
+
+
+def _drafter_measured(acceptance: float, catch_up_s: float) -> CostModel:
+    """A step of 40 ms + 2 ms a row, a drafter step of 5 ms, `catch_up_s` a token of backlog."""
+    cost = CostModel(CONFIG, catch_up_s=catch_up_s)
+    for n in (1, 2, 4, 8, 16):
+        for _ in range(5):
+            cost.record_verify(n, 0.040 + 0.002 * (n - 1), tree=False)
+    for k in (2, 4):
+        for _ in range(5):
+            cost.record_draft(k, 0.005 * k, 0, 0.0, k)
+    for i in range(200):  # accepted in that share of the rows, spread evenly
+        cost.acceptance.record([[], [(MODEL, 0)]], [-1, 0], [0, 1] if i % 10 < acceptance * 10 else [0])
+    return cost
+
+
+def test_a_backlog_is_read_once_when_the_tokens_ahead_repay_it():
+    """A drafter that wins every round once caught up, 300 tokens behind (a long prompt it never
+    read): priced with the whole backlog no round looks worth it; auto reads it when what the
+    sequence is likely still to emit saves the backlog's cost twice over, and not otherwise."""
+    cost = _drafter_measured(acceptance=0.8, catch_up_s=0.0006)  # backlog: 0.18 s
+    caught_up = cost.choose([], model=True, tree=True, pending=4, remaining=100)
+    assert caught_up.k > 0 and caught_up.rate > 1.5 / 0.040  # well above the target alone
+    behind = cost.choose([], model=True, tree=True, pending=300, remaining=100)
+    assert behind.k > 0 and behind.seconds > 0.18  # read, and priced with the backlog
+    assert cost.choose([], model=True, tree=True, pending=300, remaining=3).k == 0  # too few tokens ahead
+    # an open-ended request (max_tokens far away) counts what it has emitted so far, 64 at least
+    assert cost.choose([], model=True, tree=True, pending=300, remaining=10_000, generated=0).k > 0
+    slow = _drafter_measured(acceptance=0.8, catch_up_s=0.003)  # backlog: 0.9 s, more than 64 tokens save
+    assert slow.choose([], model=True, tree=True, pending=300, remaining=10_000, generated=10).k == 0
+    assert slow.choose([], model=True, tree=True, pending=300, remaining=10_000, generated=2000).k > 0
+    poor = _drafter_measured(acceptance=0.1, catch_up_s=0.0006)  # loses even when caught up
+    assert poor.choose([], model=True, tree=True, pending=300, remaining=1000).k == 0
+
+
 def test_no_candidates_and_a_poor_drafter_choose_the_target_alone():
     cost = measured(draft_unit=0.012)
     for _ in range(20):
