@@ -21,24 +21,26 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// One group of x rows (n <= 16): tmm0, tmm3 = C [16][n] f32; tmm1, tmm4 = A [16][32] bf16; tmm2,
-// tmm5 = B [16][n] bf16 pairs.
+// Dense, one group of x rows (n <= 16): tmm0 = C [16][n] f32; tmm1 = A [16][32] bf16; tmm2 = B
+// [16][n] bf16 pairs.
 HR_AMX void amx_configure(int64_t n) {
   TileConfig cfg;
-  for (int t : {0, 3}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(n * 4);
-  for (int t : {1, 4}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  for (int t : {2, 5}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(n * 4);
+  cfg.rows[0] = 16, cfg.colsb[0] = static_cast<uint16_t>(n * 4);
+  cfg.rows[1] = 16, cfg.colsb[1] = 64;
+  cfg.rows[2] = 16, cfg.colsb[2] = static_cast<uint16_t>(n * 4);
   // gcc's _tile_loadconfig tells the optimiser it reads 8 bytes only; keep all 64 bytes stored.
   __asm__ volatile("" : : "m"(cfg) : "memory");
   _tile_loadconfig(&cfg);
 }
 
-// Two groups of x rows, 16 and n1 <= 16 (NVFP4): tmm0, tmm1 = C of group 0 and tmm2, tmm3 = C of
-// group 1 (two accumulators each, as above); tmm4, tmm5 = A; tmm6, tmm7 = B of group 0 and 1.
-HR_AMX void amx_configure_pair(int64_t n1) {
+// NVFP4, one or two groups of x rows, n0 <= 16 and n1 <= 16 (0: one group): tmm0, tmm1 = C of
+// group 0 [16][n0] f32 (two accumulators, even and odd chunks) and tmm2, tmm3 = C of group 1;
+// tmm4, tmm5 = A [16][32] bf16; tmm6, tmm7 = B of group 0 and 1 [16][n_g] bf16 pairs.
+HR_AMX void amx_configure_nvfp4(int64_t n0, int64_t n1) {
   TileConfig cfg;
-  for (int t : {0, 1, 6}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  for (int t : {2, 3, 7}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(n1 * 4);
+  for (int t : {0, 1, 6}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(n0 * 4);
+  if (n1 > 0)
+    for (int t : {2, 3, 7}) cfg.rows[t] = 16, cfg.colsb[t] = static_cast<uint16_t>(n1 * 4);
   for (int t : {4, 5}) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   __asm__ volatile("" : : "m"(cfg) : "memory");
   _tile_loadconfig(&cfg);
@@ -121,67 +123,32 @@ HR_AMX inline void nvfp4_tile_a32(const uint8_t* codes, const float* sbuf, int64
   }
 }
 
+// A tile A times the B rows at b (bstride bytes apart) into accumulator C of group 0 and, with a
+// second group, C1 of group 1 (tile numbers are spelled into the instructions: a macro).
+#define HR_NVFP4_PRODUCTS(A, C, C1, a, b, bstride) \
+  _tile_loadd(A, a, 64);                           \
+  _tile_loadd(6, b, bstride);                      \
+  _tile_dpbf16ps(C, A, 6);                         \
+  if constexpr (kTwo) {                            \
+    _tile_loadd(7, (b) + 16, bstride);             \
+    _tile_dpbf16ps(C1, A, 7);                      \
+  }
+
+// Rows [16 * b0, 16 * b1) of y for up to 16 rows of x, or with kTwo for 17-32 in two groups (16
+// and n - 16): each A tile decoded once serves both groups, so the weights are read and decoded
+// once for 32 rows instead of twice. Each C element sums its row's products in one order
+// whatever n is (even chunks in one accumulator, odd in the other, their sum at the end), so a
+// row has the same bits in a pass of 1, 17 or 32 rows.
+template <bool kTwo>
 HR_AMX void nvfp4_blocks_amx(const uint32_t* xt, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
                              const float* row_scale, int64_t out, float* y, int64_t b0, int64_t b1) {
-  const int64_t nblocks = in / kGroup, main = in / 128 * 128;
-  amx_configure(n);
+  const int64_t nblocks = in / kGroup, main = in / 128 * 128, n0 = kTwo ? 16 : n, n1 = n - n0;
+  amx_configure_nvfp4(n0, n1);
   // Two sets of A buffers, used in turn, so writing the next chunk never waits for tile loads
   // of the previous one.
   alignas(64) uint16_t abuf[2][4][16 * 32];
-  alignas(64) float c[2][16 * 16];
-  std::vector<float> sbuf(16 * nblocks);
-  for (int64_t blk = b0; blk < b1; ++blk) {
-    const int64_t o0 = blk * 16, rows = std::min<int64_t>(16, out - o0);
-    for (int64_t r = 0; r < rows; ++r) row_scales(scales + (o0 + r) * nblocks, nblocks, sbuf.data() + r * nblocks);
-    if (rows < 16) std::memset(abuf, 0, sizeof(abuf));
-    const uint8_t* cb = codes + o0 * (in / 2);
-    _tile_zero(0);
-    _tile_zero(3);
-    for (int64_t k = 0; k < main; k += 128) {
-      uint16_t(*a)[16 * 32] = abuf[(k / 128) & 1];
-      nvfp4_tiles_a128(cb, sbuf.data(), in, rows, k, a);
-      // Two accumulators in turn, so consecutive tile products do not wait for each other.
-      _tile_loadd(1, a[0], 64);
-      _tile_loadd(2, xt + (k / 2) * n, 16 * n);
-      _tile_dpbf16ps(0, 1, 2);
-      _tile_loadd(4, a[1], 64);
-      _tile_loadd(5, xt + (k / 2 + 1) * n, 16 * n);
-      _tile_dpbf16ps(3, 4, 5);
-      _tile_loadd(1, a[2], 64);
-      _tile_loadd(2, xt + (k / 2 + 2) * n, 16 * n);
-      _tile_dpbf16ps(0, 1, 2);
-      _tile_loadd(4, a[3], 64);
-      _tile_loadd(5, xt + (k / 2 + 3) * n, 16 * n);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    for (int64_t k = main; k < in; k += 32) {
-      uint16_t* a = abuf[(k / 32) & 1][0];
-      nvfp4_tile_a32(cb, sbuf.data(), in, rows, k, a);
-      _tile_loadd(1, a, 64);
-      _tile_loadd(2, xt + (k / 2) * n, n * 4);
-      _tile_dpbf16ps(0, 1, 2);
-    }
-    _tile_stored(0, c[0], n * 4);
-    _tile_stored(3, c[1], n * 4);
-    for (int64_t i = 0; i < 16 * n; ++i) c[0][i] += c[1][i];
-    amx_store_rows(c[0], n, o0, rows, row_scale, y, out);
-  }
-  _tile_release();
-}
-
-// The same for 17-32 rows of x in two groups (16 and n - 16): each A tile decoded once serves
-// both, so the weights are read and decoded once for 32 rows instead of twice. Each C element
-// sums the same products in the same order as above (even chunks in one accumulator, odd in the
-// other, their sum at the end), so a row has the bits it gets in a one-group pass.
-HR_AMX void nvfp4_blocks_amx_pair(const uint32_t* xt, int64_t n, int64_t in, const uint8_t* codes,
-                                  const uint8_t* scales, const float* row_scale, int64_t out, float* y, int64_t b0,
-                                  int64_t b1) {
-  const int64_t nblocks = in / kGroup, main = in / 128 * 128, n1 = n - 16;
-  amx_configure_pair(n1);
-  alignas(64) uint16_t abuf[2][4][16 * 32];
   alignas(64) float c[4][16 * 16];
   std::vector<float> sbuf(16 * nblocks);
-  const int64_t stride = 16 * n;  // bytes from one B row to the next: 4 pairs of n dwords
   for (int64_t blk = b0; blk < b1; ++blk) {
     const int64_t o0 = blk * 16, rows = std::min<int64_t>(16, out - o0);
     for (int64_t r = 0; r < rows; ++r) row_scales(scales + (o0 + r) * nblocks, nblocks, sbuf.data() + r * nblocks);
@@ -189,53 +156,41 @@ HR_AMX void nvfp4_blocks_amx_pair(const uint32_t* xt, int64_t n, int64_t in, con
     const uint8_t* cb = codes + o0 * (in / 2);
     _tile_zero(0);
     _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    if constexpr (kTwo) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
     for (int64_t k = 0; k < main; k += 128) {
       uint16_t(*a)[16 * 32] = abuf[(k / 128) & 1];
       nvfp4_tiles_a128(cb, sbuf.data(), in, rows, k, a);
-      const uint32_t* b = xt + (k / 2) * n;
-      _tile_loadd(4, a[0], 64);
-      _tile_loadd(6, b, stride);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, b + 16, stride);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, a[1], 64);
-      _tile_loadd(6, b + n, stride);
-      _tile_dpbf16ps(1, 5, 6);
-      _tile_loadd(7, b + n + 16, stride);
-      _tile_dpbf16ps(3, 5, 7);
-      _tile_loadd(4, a[2], 64);
-      _tile_loadd(6, b + 2 * n, stride);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, b + 2 * n + 16, stride);
-      _tile_dpbf16ps(2, 4, 7);
-      _tile_loadd(5, a[3], 64);
-      _tile_loadd(6, b + 3 * n, stride);
-      _tile_dpbf16ps(1, 5, 6);
-      _tile_loadd(7, b + 3 * n + 16, stride);
-      _tile_dpbf16ps(3, 5, 7);
+      const uint32_t* b = xt + (k / 2) * n;  // B row j of step q: pair k / 2 + 4j + q
+      // Two accumulators a group in turn, so consecutive tile products do not wait for each other.
+      HR_NVFP4_PRODUCTS(4, 0, 2, a[0], b, 16 * n)
+      HR_NVFP4_PRODUCTS(5, 1, 3, a[1], b + n, 16 * n)
+      HR_NVFP4_PRODUCTS(4, 0, 2, a[2], b + 2 * n, 16 * n)
+      HR_NVFP4_PRODUCTS(5, 1, 3, a[3], b + 3 * n, 16 * n)
     }
     for (int64_t k = main; k < in; k += 32) {
       uint16_t* a = abuf[(k / 32) & 1][0];
       nvfp4_tile_a32(cb, sbuf.data(), in, rows, k, a);
-      _tile_loadd(4, a, 64);
-      _tile_loadd(6, xt + (k / 2) * n, n * 4);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_loadd(7, xt + (k / 2) * n + 16, n * 4);
-      _tile_dpbf16ps(2, 4, 7);
+      const uint32_t* b = xt + (k / 2) * n;
+      HR_NVFP4_PRODUCTS(4, 0, 2, a, b, 4 * n)  // natural order: consecutive pairs
     }
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
-    _tile_stored(2, c[2], n1 * 4);
-    _tile_stored(3, c[3], n1 * 4);
-    for (int64_t i = 0; i < 16 * 16; ++i) c[0][i] += c[1][i];
-    for (int64_t i = 0; i < 16 * n1; ++i) c[2][i] += c[3][i];
-    amx_store_rows(c[0], 16, o0, rows, row_scale, y, out);
-    amx_store_rows(c[2], n1, o0, rows, row_scale, y + 16 * out, out);
+    _tile_stored(0, c[0], n0 * 4);
+    _tile_stored(1, c[1], n0 * 4);
+    for (int64_t i = 0; i < 16 * n0; ++i) c[0][i] += c[1][i];
+    amx_store_rows(c[0], n0, o0, rows, row_scale, y, out);
+    if constexpr (kTwo) {
+      _tile_stored(2, c[2], n1 * 4);
+      _tile_stored(3, c[3], n1 * 4);
+      for (int64_t i = 0; i < 16 * n1; ++i) c[2][i] += c[3][i];
+      amx_store_rows(c[2], n1, o0, rows, row_scale, y + 16 * out, out);
+    }
   }
   _tile_release();
 }
+
+#undef HR_NVFP4_PRODUCTS
 
 }  // namespace
 
@@ -250,9 +205,9 @@ void nvfp4_linear_amx(const uint16_t* x, int64_t n, int64_t in, const uint8_t* c
     const std::vector<uint32_t> xt = pairs_transposed(x + i0 * in, m, in);
     at::parallel_for(0, (out + 15) / 16, grain_rows(16 * (in / 2 + in / kGroup)), [&](int64_t b0, int64_t b1) {
       if (m <= 16)
-        nvfp4_blocks_amx(xt.data(), m, in, codes, scales, row_scale, out, y + i0 * out, b0, b1);
+        nvfp4_blocks_amx<false>(xt.data(), m, in, codes, scales, row_scale, out, y + i0 * out, b0, b1);
       else
-        nvfp4_blocks_amx_pair(xt.data(), m, in, codes, scales, row_scale, out, y + i0 * out, b0, b1);
+        nvfp4_blocks_amx<true>(xt.data(), m, in, codes, scales, row_scale, out, y + i0 * out, b0, b1);
     });
   }
 }

@@ -60,7 +60,7 @@ def _skip_amx_unless_tiles_fit(isa, in_features: int) -> None:
         pytest.skip("AMX tiles need in_features a multiple of 32")
 
 
-@pytest.mark.parametrize("inp", [256, 896, 4864, 80])
+@pytest.mark.parametrize("inp", [256, 896, 4864, 80, 448])
 def test_each_compiled_path_is_batch_invariant(isa, inp):
     """Every path the CPU runs, forced, at every row count (1-4 rows decode in registers, more
     through tiles in one, two or three groups per weight pass, prefill-sized in several passes):
