@@ -251,9 +251,9 @@ class CostModel:
         k_range (default min_draft_len..max_draft_len, or not at all); pending: tokens the drafter
         must read before it drafts; verify: seconds of n verify rows when the caller knows better
         than this model's forwards (a batching engine: the sequence's share of its step);
-        remaining: tokens the sequence may still emit; generated: tokens it has emitted (with
-        remaining, how long it is likely to go on: what catching the drafter up and re-measuring
-        it may cost is weighed against that)."""
+        remaining: tokens the sequence may still emit (what re-measuring the drafter may cost
+        counts them at the best rate); generated: tokens it has emitted (with remaining, how long
+        it is likely to go on, which a backlog read is weighed against)."""
         self.rounds += 1
         v = verify or (self.tree_verify if tree else self.verify)  # seconds by rows
         best, best_model = self._search(modelfree, model, tree, pending, k_range, allow_none, max_rows, v)
