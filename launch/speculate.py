@@ -42,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="suffix: longest match and deepest continuation (default 24)")
     group.add_argument("--suffix-spec-factor", type=float, default=1.0, metavar="F",
                        help="suffix: tree nodes per matched token at most (default 1.0)")
+    group.add_argument("--suffix-spec-offset", type=float, default=5.0, metavar="F",
+                       help="suffix: tree nodes beyond spec-factor x match length (default 5.0)")
+    group.add_argument("--suffix-min-match", type=int, default=1, metavar="N",
+                       help="suffix: shortest match of the text's last tokens that proposes (default 1)")
     group.add_argument("--suffix-min-prob", type=float, default=0.1, metavar="P",
                        help="suffix: continuations below this estimated probability are not proposed (default 0.1)")
     group.add_argument("--suffix-max-generations", type=int, default=256, metavar="N",
@@ -78,6 +82,7 @@ def speculation_config(args: argparse.Namespace):
                                  modelfree=modelfree, prompt_lookup_min=args.prompt_lookup_min,
                                  prompt_lookup_max=args.prompt_lookup_max, suffix_max_depth=args.suffix_max_depth,
                                  suffix_spec_factor=args.suffix_spec_factor, suffix_min_prob=args.suffix_min_prob,
+                                 suffix_spec_offset=args.suffix_spec_offset, suffix_min_match=args.suffix_min_match,
                                  suffix_max_generations=args.suffix_max_generations,
                                  sampled_verification=getattr(args, "sampled_verification", "keyed"))
     except ConfigError as exc:

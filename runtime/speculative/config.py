@@ -35,6 +35,8 @@ class SpeculationConfig:
     modelfree_max_nodes: int = 16  # model-free nodes per round at most (ngram: tokens; suffix: tree nodes)
     suffix_max_depth: int = 24  # suffix: longest match and deepest continuation
     suffix_spec_factor: float = 1.0  # suffix: tree nodes per matched token at most
+    suffix_spec_offset: float = 5.0  # suffix: tree nodes beyond spec_factor * match length (SuffixDecoding's offset)
+    suffix_min_match: int = 1  # suffix: shortest match that proposes (1: the last token alone)
     suffix_min_prob: float = 0.1  # suffix: nodes below this estimated probability are not proposed
     suffix_max_generations: int = 256  # suffix: earlier generations kept (oldest evicted)
     suffix_max_tokens: int = 4096  # suffix: tokens kept per earlier generation
@@ -62,7 +64,7 @@ class SpeculationConfig:
                               field="draft_len")
         for name in ("max_target_draft", "window", "slrs_width", "slrs_depth", "slrs_max_nodes",
                      "auto_explore_every", "auto_probe_rounds", "auto_reprobe_every", "prompt_lookup_min",
-                     "modelfree_max_nodes", "suffix_max_depth",
+                     "modelfree_max_nodes", "suffix_max_depth", "suffix_min_match",
                      "suffix_max_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"must be >= 1, got {getattr(self, name)}", field=name)
@@ -74,6 +76,8 @@ class SpeculationConfig:
                               field="max_verify_rows")
         if not self.suffix_spec_factor > 0:
             raise ConfigError(f"must be > 0, got {self.suffix_spec_factor}", field="suffix_spec_factor")
+        if not self.suffix_spec_offset >= 0:
+            raise ConfigError(f"must be >= 0, got {self.suffix_spec_offset}", field="suffix_spec_offset")
         if not 0 <= self.suffix_min_prob < 1:
             raise ConfigError(f"must be in [0, 1), got {self.suffix_min_prob}", field="suffix_min_prob")
         if self.suffix_max_generations < 0:

@@ -15,7 +15,8 @@ class ModelFree:
         self.lookup = PromptLookup(prompt_ids, config.prompt_lookup_min, config.prompt_lookup_max) \
             if "ngram" in sources else None
         self.suffix = SuffixState(cache, prompt_ids, config.suffix_max_depth, config.suffix_spec_factor,
-                                  config.suffix_min_prob) if "suffix" in sources else None
+                                  config.suffix_min_prob, spec_offset=config.suffix_spec_offset,
+                                  min_match=config.suffix_min_match) if "suffix" in sources else None
         self.max_nodes = config.modelfree_max_nodes
         self.propose_seconds = 0.0
         self.update_seconds = 0.0

@@ -37,6 +37,7 @@ from hetero_run.runtime.speculative.lookup import TokenIndex
 from hetero_run.runtime.speculative.tree import SUFFIX, Candidates
 
 POS_BITS = 32  # an index entry is generation id << POS_BITS | position
+UNIGRAM_BUCKETS = 10  # calibration cells of trees grown from a one-token match: 10 + tenths of the estimate
 
 
 class SuffixCache:
@@ -49,6 +50,7 @@ class SuffixCache:
         self.owner: int | None = None  # the first thread that uses it (an engine builds it, then its thread runs it)
         self.generations: OrderedDict[int, list[int]] = OrderedDict()
         self.pairs: dict[tuple[int, int], list[int]] = {}
+        self.singles: dict[int, list[int]] = {}
         self.entries = 0  # index entries, live and evicted
         self.live = 0  # index entries of cached generations
         self.next_id = 0
@@ -76,13 +78,15 @@ class SuffixCache:
         gid = self.next_id
         self.next_id += 1
         self.generations[gid] = tokens
-        for end in range(2, len(tokens) + 1):
-            self.pairs.setdefault((tokens[end - 2], tokens[end - 1]), []).append(gid << POS_BITS | end)
-        self.entries += len(tokens) - 1
-        self.live += len(tokens) - 1
+        for end in range(1, len(tokens) + 1):
+            self.singles.setdefault(tokens[end - 1], []).append(gid << POS_BITS | end)
+            if end >= 2:
+                self.pairs.setdefault((tokens[end - 2], tokens[end - 1]), []).append(gid << POS_BITS | end)
+        self.entries += 2 * len(tokens) - 1
+        self.live += 2 * len(tokens) - 1
         while len(self.generations) > self.max_generations:
             _, old = self.generations.popitem(last=False)
-            self.live -= len(old) - 1
+            self.live -= 2 * len(old) - 1
         if self.entries > 2 * max(self.live, 1024):
             self._compact()
         self.update_seconds += time.perf_counter() - begin
@@ -92,27 +96,36 @@ class SuffixCache:
         self._check_thread()
         self.generations.clear()
         self.pairs.clear()
+        self.singles.clear()
         self.entries = self.live = 0
 
     def _compact(self) -> None:
         """Drop the index entries of evicted generations."""
         alive = self.generations
-        for key in list(self.pairs):
-            kept = [e for e in self.pairs[key] if (e >> POS_BITS) in alive]
-            if kept:
-                self.pairs[key] = kept
-            else:
-                del self.pairs[key]
+        for index in (self.pairs, self.singles):
+            for key in list(index):
+                kept = [e for e in index[key] if (e >> POS_BITS) in alive]
+                if kept:
+                    index[key] = kept
+                else:
+                    del index[key]
         self.entries = self.live
 
-    def matches(self, context: list[int], limit: int, scan: int) -> list[tuple[list[int], int, int]]:
+    def matches(self, context: list[int], limit: int, scan: int, min_len: int = 2) -> list[tuple[list[int], int, int]]:
         """(generation tokens, position, match length) of the end of `context` in cached
-        generations, most recent first, at most `scan`."""
+        generations, most recent first, at most `scan`; where its last two tokens occur nowhere
+        and min_len is 1, the occurrences of its last token (match length 1)."""
         self._check_thread()
         out = []
-        if len(context) < 2:
-            return out
-        for entry in reversed(self.pairs.get((context[-2], context[-1]), ())):
+        if len(context) >= 2:
+            out = self._matches(self.pairs.get((context[-2], context[-1]), ()), context, limit, scan)
+        if not out and min_len <= 1 and context:
+            out = self._matches(self.singles.get(context[-1], ()), context, 1, scan)
+        return out
+
+    def _matches(self, entries, context: list[int], limit: int, scan: int) -> list[tuple[list[int], int, int]]:
+        out = []
+        for entry in reversed(entries):
             tokens = self.generations.get(entry >> POS_BITS)
             if tokens is None:
                 continue
@@ -171,11 +184,13 @@ class SuffixState:
     source = SUFFIX
 
     def __init__(self, cache: SuffixCache | None, prompt_ids: list[int], max_depth: int = 24,
-                 spec_factor: float = 1.0, min_token_prob: float = 0.1, scan: int = 64):
+                 spec_factor: float = 1.0, min_token_prob: float = 0.1, scan: int = 64, spec_offset: float = 0.0,
+                 min_match: int = 1):
         self.cache = cache
-        self.index = TokenIndex(prompt_ids, unigrams=False)
+        self.index = TokenIndex(prompt_ids, unigrams=min_match <= 1)
         self.prompt_len = len(prompt_ids)
         self.max_depth, self.spec_factor, self.min_prob, self.scan = max_depth, spec_factor, min_token_prob, scan
+        self.spec_offset, self.min_match = spec_offset, min_match
         self.update_seconds = 0.0
         self.last_match = 0
         self.finished = False
@@ -189,16 +204,18 @@ class SuffixState:
         context = self.index.tokens
         best, best_score, self.last_match = Candidates(SUFFIX), 0.0, 0
         sources = [[(self.index.tokens, pos, n) for pos, n in
-                    self.index.matches(context, self.max_depth, self.scan, exclude=len(context))]]
+                    self.index.matches(context, self.max_depth, self.scan, self.min_match, exclude=len(context))]]
         if self.cache is not None:
-            sources.append(self.cache.matches(context, self.max_depth, self.scan))
+            sources.append(self.cache.matches(context, self.max_depth, self.scan, self.min_match))
         for found in sources:
-            if not found:
+            longest = max((n for _, _, n in found), default=0)
+            if longest < self.min_match:
                 continue
-            longest = max(n for _, _, n in found)
-            cap = min(max_nodes, math.ceil(self.spec_factor * longest))
+            cap = min(max_nodes, math.ceil(self.spec_factor * longest + self.spec_offset))
             tree = speculation_tree([(t, p) for t, p, n in found if n == longest], cap, self.max_depth,
                                     self.min_prob)
+            if longest == 1:  # one matched token predicts less than a longer match of the same count estimate
+                tree.buckets = [UNIGRAM_BUCKETS + b for b in tree.buckets]
             score = _total(tree)
             if score > best_score:
                 best, best_score, self.last_match = tree, score, longest

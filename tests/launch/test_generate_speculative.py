@@ -121,6 +121,8 @@ def test_sampled_speculative_output_is_seeded(run_cli, pair):
     (("--algorithm", "ngram", "--prompt-lookup-min", "0"), "--prompt-lookup-min: must be >= 1"),
     (("--algorithm", "ngram", "--prompt-lookup-max", "1"), "--prompt-lookup-max: must be >= prompt_lookup_min"),
     (("--algorithm", "suffix", "--suffix-min-prob", "1.5"), "--suffix-min-prob"),
+    (("--algorithm", "suffix", "--suffix-spec-offset", "-1"), "--suffix-spec-offset: must be >= 0"),
+    (("--algorithm", "suffix", "--suffix-min-match", "0"), "--suffix-min-match: must be >= 1"),
     (("--drafter", "DRAFTER", "--hybrid"), "--hybrid: hybrid rounds need a drafter algorithm"),
     (("--algorithm", "auto", "--model-free", "lookahead"), "--model-free: unknown model-free proposer"),
 ])

@@ -235,6 +235,7 @@ def build_tree(algorithm: str, drafter_tokenizer: str | None, sampling: Sampling
         drafter = Drafter(model, tokenizer, "pair-drafter")
     config = SpeculationConfig(algorithm=algorithm, draft_len=2, adaptive=False, hybrid=drafter is not None,
                                modelfree=("suffix",), suffix_spec_factor=4.0, suffix_min_prob=0.05,
+                               suffix_spec_offset=0.0, suffix_min_match=2,  # the trees drawn above, no others
                                sampled_verification=verification)
     engine = SpeculativeEngine(target, target_tok, drafter, config, suffix_cache=FrozenSuffixCache(history))
     assert engine.trees

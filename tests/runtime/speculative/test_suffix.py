@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from hetero_run.runtime.speculative.suffix import SuffixCache, SuffixState, speculation_tree
+from hetero_run.runtime.speculative.suffix import UNIGRAM_BUCKETS, SuffixCache, SuffixState, speculation_tree
 
 
 def test_the_docstring_example_counts_continuations():
@@ -51,6 +51,30 @@ def test_a_request_finds_its_own_repeats_and_earlier_generations():
 def test_the_spec_factor_bounds_the_tree_by_the_match_length():
     state = SuffixState(None, [1, 2, 3, 4, 5, 6, 7, 8, 1, 2], spec_factor=1.0)
     assert state.propose(8).tokens == [3, 4]  # match of 2 tokens: at most 2 nodes
+
+
+def test_the_offset_adds_nodes_beyond_the_match_length():
+    state = SuffixState(None, [1, 2, 3, 4, 5, 6, 7, 8, 1, 2], spec_factor=1.0, spec_offset=3.0)
+    assert state.propose(8).tokens == [3, 4, 5, 6, 7]  # match of 2 tokens: at most 2 + 3 nodes
+
+
+def test_a_last_token_seen_only_alone_proposes_what_followed_it():
+    # "7" occurred three times in the prompt (followed by 8 9, 8 9, 8 5), never after a 3
+    prompt = [7, 8, 9, 1, 7, 8, 9, 2, 7, 8, 5, 3, 7]
+    state = SuffixState(None, prompt, spec_factor=1.0, spec_offset=1.0)
+    tree = state.propose(8)
+    assert state.last_match == 1 and tree.tokens == [8, 9]  # 1 * 1 + 1 nodes, the likeliest
+    assert tree.probs[0] == 1.0 and abs(tree.probs[1] - 2 / 3) < 1e-9
+    assert all(b >= UNIGRAM_BUCKETS for b in tree.buckets)  # calibrated apart from longer matches
+    assert len(SuffixState(None, prompt, spec_offset=2.0, min_match=2).propose(8)) == 0
+    # the earlier generations answer a one-token match too, where the request's own text has none
+    cache = SuffixCache()
+    cache.add([40, 41, 42, 40, 41, 43])
+    other = SuffixState(cache, [1, 2, 40], spec_factor=1.0, spec_offset=1.0)
+    assert other.propose(8).tokens == [41, 42] or other.propose(8).tokens == [41, 43]
+    assert other.last_match == 1
+    longer = SuffixState(cache, [1, 42, 40], spec_factor=1.0, spec_offset=1.0)
+    assert longer.propose(8).tokens == [41, 43] and longer.last_match == 2  # "42 40": the pair wins
 
 
 def test_the_cache_is_bounded_and_evicts_the_oldest():
