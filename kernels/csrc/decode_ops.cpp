@@ -242,11 +242,23 @@ HR_AVX2 void rms_norm_avx2(const T* x, const T* w, int64_t d, float eps, T* y) {
 }
 #endif
 
-// The vector width the attention and RMS norm loops take for head / row size d: 16 (AVX-512),
+// The vector width the attention loops take for head size d: 16 (AVX-512),
 // 8 (AVX2) or 0 (plain loops). It depends on the CPU and d only, never on the rows.
 int vector_width(int64_t d) {
 #if HR_X86
   if (d > kMaxD) return 0;
+  if (has_avx512() && d % 16 == 0) return 16;
+  if (has_avx2() && d % 8 == 0) return 8;
+#else
+  (void)d;
+#endif
+  return 0;
+}
+
+// The vector width of a loop over a whole row of d values (RMS norm): as vector_width, with no
+// upper bound on d (the loop keeps nothing per element in registers).
+int row_vector_width(int64_t d) {
+#if HR_X86
   if (has_avx512() && d % 16 == 0) return 16;
   if (has_avx2() && d % 8 == 0) return 8;
 #else
@@ -388,7 +400,7 @@ void rms_norm_impl(const at::Tensor& x, const at::Tensor& w, float eps, at::Tens
   const T* xd = reinterpret_cast<const T*>(x.data_ptr());
   const T* wd = reinterpret_cast<const T*>(w.data_ptr());
   T* yd = reinterpret_cast<T*>(y.data_ptr());
-  const int vec = vector_width(d);
+  const int vec = row_vector_width(d);
   for (int64_t i = 0; i < n; ++i) {  // a few rows of a few thousand values: not worth waking threads
 #if HR_X86
     if (vec == 16) {
