@@ -220,8 +220,9 @@ class RuntimePair:
         self.tokenizer = AutoTokenizer.from_pretrained(str(pair), gguf_file=TARGET_GGUF)
         model = load_model(_target_path(pair, target), ctx, max_tokens=4096, dtype="bf16")
         self.runner = TargetRunner(model, ctx)
-        # NVFP4 projections with float32 activations: a quarter of the bytes, no bf16 round trips
-        self.drafter = load_drafter(pair / DRAFTER_GGUF, dtype=torch.float32, weights="nvfp4")
+        # as `hetero-run generate --drafter-weights nvfp4` loads it beside a bf16 target: NVFP4
+        # projections, bf16 activations (on AMX hosts the tiles for prompt reads, docs/drafter.md)
+        self.drafter = load_drafter(pair / DRAFTER_GGUF, dtype=torch.bfloat16, weights="nvfp4", max_tokens=4096)
 
     def close(self) -> None:
         self.runner.close()

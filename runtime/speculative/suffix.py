@@ -12,15 +12,15 @@ keeps its own state:
   the generation to the cache.
 
 Both answer the question a depth-capped suffix tree answers, "where did the last tokens occur
-before, and what followed", from a `TokenIndex` (positions after every token pair): the match
-length of each occurrence is extended backwards up to `max_depth`, the occurrences of the
-longest match form the tree's root, and their continuations are counted into a trie on demand.
-Memory is O(tokens) rather than a suffix trie's O(tokens * depth) nodes, and eviction drops
-one generation's index entries lazily. The speculation tree grows best-first by estimated
+before, and what followed", from a `TokenIndex` (positions after every token and token pair):
+the match length of each occurrence is extended backwards up to `max_depth`, the occurrences of
+the longest match (in the request and the earlier generations together; the last token alone
+when no pair recurs) form the tree's root, and their continuations are counted into a trie on
+demand. Memory is O(tokens) rather than a suffix trie's O(tokens * depth) nodes, and eviction
+drops one generation's index entries lazily. The speculation tree grows best-first by estimated
 probability (the product of count ratios along the path), keeps only nodes above
-`min_token_prob`, at most `max_depth` deep and at most ceil(`spec_factor` * match length)
-nodes (a longer match earns a larger tree), as SuffixDecoding does. Of the request's own tree
-and the earlier generations' tree, the one with the higher total probability is proposed.
+`min_token_prob`, at most `max_depth` deep and at most ceil(`spec_factor` * match length +
+`spec_offset`) nodes (a longer match earns a larger tree), as SuffixDecoding does.
 Worked example: the last tokens "x y" occurred three times, followed by "z a", "z a", "z b":
 root count 3, node z 3/3 = 1.0, z -> a 2/3, z -> b 1/3.
 """
@@ -202,24 +202,20 @@ class SuffixState:
 
     def propose(self, max_nodes: int) -> Candidates:
         context = self.index.tokens
-        best, best_score, self.last_match = Candidates(SUFFIX), 0.0, 0
-        sources = [[(self.index.tokens, pos, n) for pos, n in
-                    self.index.matches(context, self.max_depth, self.scan, self.min_match, exclude=len(context))]]
+        found = [(self.index.tokens, pos, n) for pos, n in
+                 self.index.matches(context, self.max_depth, self.scan, self.min_match, exclude=len(context))]
         if self.cache is not None:
-            sources.append(self.cache.matches(context, self.max_depth, self.scan, self.min_match))
-        for found in sources:
-            longest = max((n for _, _, n in found), default=0)
-            if longest < self.min_match:
-                continue
-            cap = min(max_nodes, math.ceil(self.spec_factor * longest + self.spec_offset))
-            tree = speculation_tree([(t, p) for t, p, n in found if n == longest], cap, self.max_depth,
-                                    self.min_prob)
-            if longest == 1:  # one matched token predicts less than a longer match of the same count estimate
-                tree.buckets = [UNIGRAM_BUCKETS + b for b in tree.buckets]
-            score = _total(tree)
-            if score > best_score:
-                best, best_score, self.last_match = tree, score, longest
-        return best
+            found += self.cache.matches(context, self.max_depth, self.scan, self.min_match)
+        longest = max((n for _, _, n in found), default=0)
+        self.last_match = longest if longest >= self.min_match else 0
+        if not self.last_match:
+            return Candidates(SUFFIX)
+        # one tree over the longest match's occurrences, in this request and earlier generations alike
+        cap = min(max_nodes, math.ceil(self.spec_factor * longest + self.spec_offset))
+        tree = speculation_tree([(t, p) for t, p, n in found if n == longest], cap, self.max_depth, self.min_prob)
+        if longest == 1:  # one matched token predicts less than a longer match of the same count estimate
+            tree.buckets = [UNIGRAM_BUCKETS + b for b in tree.buckets]
+        return tree
 
     def finish(self) -> None:
         """Hand this generation (not its prompt) to the shared cache, once."""
@@ -227,9 +223,3 @@ class SuffixState:
             self.cache.add(self.index.tokens[self.prompt_len:])
         self.finished = True
 
-
-def _total(tree: Candidates) -> float:
-    reach = []
-    for parent, prob in zip(tree.parents, tree.probs, strict=True):
-        reach.append(prob * (reach[parent] if parent >= 0 else 1.0))
-    return sum(reach)

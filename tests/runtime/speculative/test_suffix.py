@@ -48,6 +48,15 @@ def test_a_request_finds_its_own_repeats_and_earlier_generations():
     assert second.propose(4).tokens[0] in (3, 9)  # its own text and the cache both know "1 2"
 
 
+def test_the_request_and_the_earlier_generations_are_counted_together():
+    cache = SuffixCache()
+    for generation in ([1, 2, 7, 0], [1, 2, 7, 0], [1, 2, 8, 0]):
+        cache.add(generation)
+    state = SuffixState(cache, [9, 1, 2, 8, 4, 1, 2], spec_factor=1.0)
+    tree = state.propose(8)  # "1 2" followed by 8 here and 7, 7, 8 in the cache: 2/4 each
+    assert sorted(tree.tokens) == [7, 8] and tree.probs == [0.5, 0.5] and state.last_match == 2
+
+
 def test_the_spec_factor_bounds_the_tree_by_the_match_length():
     state = SuffixState(None, [1, 2, 3, 4, 5, 6, 7, 8, 1, 2], spec_factor=1.0)
     assert state.propose(8).tokens == [3, 4]  # match of 2 tokens: at most 2 nodes
