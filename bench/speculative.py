@@ -75,7 +75,8 @@ def main() -> None:
     parser.add_argument("--modes", default="greedy,sampled")
     parser.add_argument("--algorithms", default="none,ngram,suffix,drafter,hybrid,auto",
                         help="rows; a row may set speculation fields in brackets, as in "
-                             "'auto[prompt_lookup_min=1,suffix_spec_factor=2]' (each field of SpeculationConfig)")
+                             "'auto[prompt_lookup_min=1,suffix_spec_factor=2]' or 'auto[modelfree=suffix]' (each field of "
+                             "SpeculationConfig; a list joined by +)")
     parser.add_argument("--prompts", type=int, default=0, help="first N prompts of each set (0: all)")
     parser.add_argument("--transformers", action="store_true", help="also transformers alone and assisted (slow)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")
@@ -137,9 +138,10 @@ def _overrides(row: str) -> tuple[str, dict]:
     out = {}
     for item in rest[:-1].split(","):
         key, _, value = item.partition("=")
-        if key not in types or key in ("algorithm", "hybrid", "modelfree"):
+        if key not in types or key in ("algorithm", "hybrid"):
             raise SystemExit(f"--algorithms: {key!r} in {row!r} is not a speculation field this bench can set")
-        cast = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes")}.get(types[key], str)
+        cast = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes"),
+                "tuple[str, ...]": lambda v: tuple(v.split("+"))}.get(types[key], str)
         try:
             out[key] = cast(value)
         except ValueError:
