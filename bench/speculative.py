@@ -75,8 +75,8 @@ def main() -> None:
     parser.add_argument("--modes", default="greedy,sampled")
     parser.add_argument("--algorithms", default="none,ngram,suffix,drafter,hybrid,auto",
                         help="rows; a row may set speculation fields in brackets, as in "
-                             "'auto[prompt_lookup_min=1,suffix_spec_factor=2]' or 'auto[modelfree=suffix]' (each field of "
-                             "SpeculationConfig; a list joined by +)")
+                             "'auto[prompt_lookup_min=1,suffix_spec_factor=2]' or 'auto[modelfree=suffix]' "
+                             "(each field of SpeculationConfig; a list joined by +)")
     parser.add_argument("--prompts", type=int, default=0, help="first N prompts of each set (0: all)")
     parser.add_argument("--transformers", action="store_true", help="also transformers alone and assisted (slow)")
     parser.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp rows")

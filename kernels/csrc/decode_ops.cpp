@@ -96,6 +96,8 @@ void rms_norm_generic(const T* x, const T* w, int64_t d, float eps, T* y) {
   for (int64_t e = 0; e < d; ++e) store(y + e, to_float(x[e]) * r * to_float(w[e]));
 }
 
+constexpr int kMaxD = 256;  // head_dim up to this takes the vector path
+
 // ---------------------------------------------------------------- AVX-512 (d a multiple of 16)
 
 #if HR_X86
@@ -126,7 +128,6 @@ HR_AVX512 inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-constexpr int kMaxD = 256;  // head_dim up to this takes the vector path
 
 template <typename T, typename Slots>
 HR_AVX512 void attend_avx512(const T* q, const T* k, const T* v, int64_t keys, int64_t d, int64_t key_stride,
@@ -242,21 +243,9 @@ HR_AVX2 void rms_norm_avx2(const T* x, const T* w, int64_t d, float eps, T* y) {
 }
 #endif
 
-// The vector width the attention loops take for head size d: 16 (AVX-512),
-// 8 (AVX2) or 0 (plain loops). It depends on the CPU and d only, never on the rows.
-int vector_width(int64_t d) {
-#if HR_X86
-  if (d > kMaxD) return 0;
-  if (has_avx512() && d % 16 == 0) return 16;
-  if (has_avx2() && d % 8 == 0) return 8;
-#else
-  (void)d;
-#endif
-  return 0;
-}
-
-// The vector width of a loop over a whole row of d values (RMS norm): as vector_width, with no
-// upper bound on d (the loop keeps nothing per element in registers).
+// The vector width of a loop over a whole row of d values (RMS norm): 16 (AVX-512), 8 (AVX2) or
+// 0 (plain loops), as d's remainder and the CPU allow. It depends on the CPU and d only, never
+// on the rows.
 int row_vector_width(int64_t d) {
 #if HR_X86
   if (has_avx512() && d % 16 == 0) return 16;
@@ -266,6 +255,10 @@ int row_vector_width(int64_t d) {
 #endif
   return 0;
 }
+
+// The vector width the attention loops take for head size d: the same, for heads of at most
+// kMaxD values (they keep a head in registers).
+int vector_width(int64_t d) { return d > kMaxD ? 0 : row_vector_width(d); }
 
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start, float scale,
