@@ -162,9 +162,11 @@ class NVFP4Weight(LinearWeight):
             if self.input_scale is None:
                 raise ValueError("activation='w4a4' needs input_scale, and this weight has none")
             return True
-        return self.input_scale is not None and fp4_tensor_cores(device)
+        return self.input_scale is not None and device.type == "cuda" and fp4_tensor_cores(device)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and self.activation != "w4a4" and x.is_cpu:  # a decode step's hot path: ~100 calls
+            return nvfp4_linear(x, self.codes, self.block_scale, self.row_scale)
         x2 = _flat(x)
         if not self.uses_w4a4(x.device):
             y = nvfp4_linear(x2, self.codes, self.block_scale, self.row_scale)

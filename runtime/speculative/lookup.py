@@ -41,32 +41,47 @@ class TokenIndex:
             if end >= 2:
                 pairs.setdefault((tokens[-2], token), []).append(end)
 
-    def match_length(self, pos: int, context: list[int], limit: int) -> int:
-        """How many tokens before `pos` equal the last tokens of `context` (at most `limit`)."""
-        tokens, n = self.tokens, 0
-        while n < limit and n < pos and n < len(context) and tokens[pos - 1 - n] == context[-1 - n]:
-            n += 1
-        return n
-
     def matches(self, context: list[int], limit: int, scan: int, min_len: int = 2,
-                exclude: int | None = None) -> list[tuple[int, int]]:
-        """(position, match length) of earlier occurrences of the end of `context`, most recent
-        first, at most `scan` examined; positions equal to `exclude` are skipped."""
-        out: list[tuple[int, int]] = []
-        if len(context) >= 2:
-            for pos in reversed(self.pairs.get((context[-2], context[-1]), ())):
-                if pos == exclude:
-                    continue
-                out.append((pos, self.match_length(pos, context, limit)))
+                exclude: int | None = None) -> list[tuple[list[int], int, int]]:
+        """(self.tokens, position, match length) of earlier occurrences of the end of `context`
+        (`end_matches`); positions equal to `exclude` are skipped."""
+        tokens = self.tokens
+        return end_matches(context, self.pairs, self.singles, lambda pos: None if pos == exclude else (tokens, pos),
+                           limit, scan, min_len)
+
+
+def end_matches(context: list[int], pairs: dict, singles: dict | None, locate, limit: int, scan: int,
+                min_len: int) -> list[tuple[list[int], int, int]]:
+    """(tokens, position, match length) of earlier occurrences of the end of `context`, most
+    recent first, at most `scan`: those of its last two tokens (`pairs`), each extended backwards
+    up to `limit` tokens; where there is none and min_len is 1, those of its last token
+    (`singles`, length 1). `locate` turns an index entry into (tokens, position), or None to
+    skip it (the prompt lookup's own position, an evicted generation)."""
+    out = []
+    if len(context) >= 2:
+        for entry in reversed(pairs.get((context[-2], context[-1]), ())):
+            found = locate(entry)
+            if found is not None:
+                tokens, pos = found
+                out.append((tokens, pos, match_length(tokens, pos, context, limit)))
                 if len(out) >= scan:
                     return out
-        if not out and min_len <= 1 and self.singles is not None and context:
-            for pos in reversed(self.singles.get(context[-1], ())):
-                if pos != exclude:
-                    out.append((pos, 1))
-                    if len(out) >= scan:
-                        break
-        return out
+    if not out and min_len <= 1 and singles is not None and context:
+        for entry in reversed(singles.get(context[-1], ())):
+            found = locate(entry)
+            if found is not None:
+                out.append((*found, 1))
+                if len(out) >= scan:
+                    break
+    return out
+
+
+def match_length(tokens: list[int], pos: int, context: list[int], limit: int) -> int:
+    """How many tokens before `pos` in `tokens` equal the last tokens of `context` (at most `limit`)."""
+    n = 0
+    while n < limit and n < pos and n < len(context) and tokens[pos - 1 - n] == context[-1 - n]:
+        n += 1
+    return n
 
 
 class PromptLookup:
@@ -87,7 +102,7 @@ class PromptLookup:
         out = Candidates(NGRAM)
         tokens = self.index.tokens
         best_pos, best_len = -1, 0
-        for pos, length in self.index.matches(tokens, self.max_len, self.scan, self.min_len, exclude=len(tokens)):
+        for _, pos, length in self.index.matches(tokens, self.max_len, self.scan, self.min_len, exclude=len(tokens)):
             if length > best_len:
                 best_pos, best_len = pos, length
                 if length >= self.max_len:

@@ -33,7 +33,7 @@ import threading
 import time
 from collections import OrderedDict
 
-from hetero_run.runtime.speculative.lookup import TokenIndex
+from hetero_run.runtime.speculative.lookup import TokenIndex, end_matches
 from hetero_run.runtime.speculative.tree import SUFFIX, Candidates
 
 POS_BITS = 32  # an index entry is generation id << POS_BITS | position
@@ -113,30 +113,15 @@ class SuffixCache:
 
     def matches(self, context: list[int], limit: int, scan: int, min_len: int = 2) -> list[tuple[list[int], int, int]]:
         """(generation tokens, position, match length) of the end of `context` in cached
-        generations, most recent first, at most `scan`; where its last two tokens occur nowhere
-        and min_len is 1, the occurrences of its last token (match length 1)."""
+        generations (`lookup.end_matches`)."""
         self._check_thread()
-        out = []
-        if len(context) >= 2:
-            out = self._matches(self.pairs.get((context[-2], context[-1]), ()), context, limit, scan)
-        if not out and min_len <= 1 and context:
-            out = self._matches(self.singles.get(context[-1], ()), context, 1, scan)
-        return out
+        generations, mask = self.generations, (1 << POS_BITS) - 1
 
-    def _matches(self, entries, context: list[int], limit: int, scan: int) -> list[tuple[list[int], int, int]]:
-        out = []
-        for entry in reversed(entries):
-            tokens = self.generations.get(entry >> POS_BITS)
-            if tokens is None:
-                continue
-            pos = entry & ((1 << POS_BITS) - 1)
-            n = 0
-            while n < limit and n < pos and n < len(context) and tokens[pos - 1 - n] == context[-1 - n]:
-                n += 1
-            out.append((tokens, pos, n))
-            if len(out) >= scan:
-                break
-        return out
+        def locate(entry: int) -> tuple[list[int], int] | None:
+            tokens = generations.get(entry >> POS_BITS)
+            return None if tokens is None else (tokens, entry & mask)
+
+        return end_matches(context, self.pairs, self.singles, locate, limit, scan, min_len)
 
 
 def speculation_tree(occurrences: list[tuple[list[int], int]], max_nodes: int, max_depth: int,
@@ -202,8 +187,7 @@ class SuffixState:
 
     def propose(self, max_nodes: int) -> Candidates:
         context = self.index.tokens
-        found = [(self.index.tokens, pos, n) for pos, n in
-                 self.index.matches(context, self.max_depth, self.scan, self.min_match, exclude=len(context))]
+        found = self.index.matches(context, self.max_depth, self.scan, self.min_match, exclude=len(context))
         if self.cache is not None:
             found += self.cache.matches(context, self.max_depth, self.scan, self.min_match)
         longest = max((n for _, _, n in found), default=0)

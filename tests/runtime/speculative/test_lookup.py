@@ -40,5 +40,7 @@ def test_min_one_uses_single_tokens():
 def test_token_index_positions_and_match_lengths():
     index = TokenIndex([1, 2, 3, 1, 2])
     assert index.pairs[(1, 2)] == [2, 5] and index.singles[2] == [2, 5]
-    assert index.matches([9, 3, 1, 2], limit=8, scan=4, exclude=5) == [(2, 2)]
-    assert index.matches([3, 1, 2], limit=8, scan=4) == [(5, 3), (2, 2)]
+    tokens = index.tokens
+    assert index.matches([9, 3, 1, 2], limit=8, scan=4, exclude=5) == [(tokens, 2, 2)]
+    assert index.matches([3, 1, 2], limit=8, scan=4) == [(tokens, 5, 3), (tokens, 2, 2)]
+    assert index.matches([7, 2], limit=8, scan=4, min_len=1) == [(tokens, 5, 1), (tokens, 2, 1)]
