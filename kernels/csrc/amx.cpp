@@ -69,12 +69,53 @@ std::vector<uint32_t> pairs_transposed(const uint16_t* x, int64_t n, int64_t in)
   return xt;
 }
 
-HR_AMX void amx_store_rows(const float* c, int64_t n, int64_t o0, int64_t rows, const float* row_scale, float* y,
-                           int64_t out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float g = row_scale ? row_scale[o0 + r] : 1.0f;
-    for (int64_t j = 0; j < n; ++j) y[j * out + o0 + r] = c[r * n + j] * g;
+// The 16 x 16 floats of v transposed in place (v[r] lane j <-> v[j] lane r): four rounds of 16
+// shuffles.
+HR_AMX inline void transpose16(__m512 (&v)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // 2 x 2 blocks of floats
+    t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
   }
+  for (int i = 0; i < 16; i += 4)  // 4 x 4: v[i + c] holds column c of each 128-bit lane's 4 x 4 block
+    for (int h = 0; h < 2; ++h) {
+      const __m512d a = _mm512_castps_pd(t[i + h]), b = _mm512_castps_pd(t[i + 2 + h]);
+      v[i + 2 * h] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+      v[i + 2 * h + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    }
+  for (int i = 0; i < 16; i += 8)  // 8 x 8: 128-bit lanes 0, 2 / 1, 3 of rows i and i + 4
+    for (int h = 0; h < 4; ++h) {
+      t[i + h] = _mm512_shuffle_f32x4(v[i + h], v[i + 4 + h], 0x88);
+      t[i + 4 + h] = _mm512_shuffle_f32x4(v[i + h], v[i + 4 + h], 0xDD);
+    }
+  for (int h = 0; h < 8; ++h) {  // 16 x 16
+    v[h] = _mm512_shuffle_f32x4(t[h], t[8 + h], 0x88);
+    v[8 + h] = _mm512_shuffle_f32x4(t[h], t[8 + h], 0xDD);
+  }
+}
+
+// A block of C tiles stored with a 64-byte stride (c[r * 16 + j]: output row o0 + r, x row j; the
+// second accumulator c1, if any, added first) -> y[j * out + o0 + r] = (c + c1) * row_scale[o0 + r]
+// (no row_scale: 1) for j < n, r < rows. The same additions and products for every n; from 4 rows
+// of x on, one register transpose instead of 16 n scalar stores a block.
+HR_AMX void amx_store_block(const float* c, const float* c1, int64_t n, int64_t o0, int64_t rows,
+                            const float* row_scale, float* y, int64_t out) {
+  if (n < 4) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float g = row_scale ? row_scale[o0 + r] : 1.0f;
+      for (int64_t j = 0; j < n; ++j) y[j * out + o0 + r] = (c1 ? c[r * 16 + j] + c1[r * 16 + j] : c[r * 16 + j]) * g;
+    }
+    return;
+  }
+  const __mmask16 m = static_cast<__mmask16>((1u << rows) - 1);
+  __m512 v[16];
+  for (int r = 0; r < 16; ++r) {
+    v[r] = _mm512_loadu_ps(c + r * 16);
+    if (c1) v[r] = _mm512_add_ps(v[r], _mm512_loadu_ps(c1 + r * 16));
+  }
+  transpose16(v);
+  const __m512 g = row_scale ? _mm512_maskz_loadu_ps(m, row_scale + o0) : _mm512_set1_ps(1.0f);
+  for (int64_t j = 0; j < n; ++j) _mm512_mask_storeu_ps(y + j * out + o0, m, _mm512_mul_ps(v[j], g));
 }
 
 // 16 rows x 128 inputs into four A buffers, with the inputs in the order the codes give them
@@ -176,15 +217,13 @@ HR_AMX void nvfp4_blocks_amx(const uint32_t* xt, int64_t n, int64_t in, const ui
       const uint32_t* b = xt + (k / 2) * n;
       HR_NVFP4_PRODUCTS(4, 0, 2, a, b, 4 * n)  // natural order: consecutive pairs
     }
-    _tile_stored(0, c[0], n0 * 4);
-    _tile_stored(1, c[1], n0 * 4);
-    for (int64_t i = 0; i < 16 * n0; ++i) c[0][i] += c[1][i];
-    amx_store_rows(c[0], n0, o0, rows, row_scale, y, out);
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    amx_store_block(c[0], c[1], n0, o0, rows, row_scale, y, out);
     if constexpr (kTwo) {
-      _tile_stored(2, c[2], n1 * 4);
-      _tile_stored(3, c[3], n1 * 4);
-      for (int64_t i = 0; i < 16 * n1; ++i) c[2][i] += c[3][i];
-      amx_store_rows(c[2], n1, o0, rows, row_scale, y + 16 * out, out);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      amx_store_block(c[2], c[3], n1, o0, rows, row_scale, y + 16 * out, out);
     }
   }
   _tile_release();
@@ -235,8 +274,8 @@ HR_AMX void dense_blocks_amx(const uint32_t* xt, int64_t n, int64_t in, const ui
       _tile_loadd(2, xt + (k / 2) * n, n * 4);
       _tile_dpbf16ps(0, 1, 2);
     }
-    _tile_stored(0, c, n * 4);
-    amx_store_rows(c, n, o0, rows, nullptr, y, out);
+    _tile_stored(0, c, 64);
+    amx_store_block(c, nullptr, n, o0, rows, nullptr, y, out);
   }
   _tile_release();
 }
@@ -278,12 +317,12 @@ HR_AMX void dense_blocks_amx_groups(const uint32_t* xt, int64_t n, int64_t in, c
       }
     }
     _tile_stored(0, c, 64);
-    amx_store_rows(c, 16, o0, rows, nullptr, y, out);
-    _tile_stored(1, c, widths[1] * 4);
-    amx_store_rows(c, widths[1], o0, rows, nullptr, y + 16 * out, out);
+    amx_store_block(c, nullptr, 16, o0, rows, nullptr, y, out);
+    _tile_stored(1, c, 64);
+    amx_store_block(c, nullptr, widths[1], o0, rows, nullptr, y + 16 * out, out);
     if constexpr (G > 2) {
-      _tile_stored(2, c, widths[2] * 4);
-      amx_store_rows(c, widths[2], o0, rows, nullptr, y + 32 * out, out);
+      _tile_stored(2, c, 64);
+      amx_store_block(c, nullptr, widths[2], o0, rows, nullptr, y + 32 * out, out);
     }
   }
   _tile_release();
