@@ -44,12 +44,21 @@ bool has_avx512();
 bool has_avx512_bf16();
 bool has_amx();
 
-// Whether the CPU is AMD's (CPUID's vendor), for tuning that does not change results.
+// Whether the CPU is AMD's (CPUID's vendor), and whether it is AMD family 0x1A or later (Zen 5:
+// 512-bit data paths, two 512-bit dot products a cycle, and cores that each stream memory about
+// twice as fast as Zen 4's), for tuning that does not change results.
 bool amd_cpu();
+bool amd_zen5_or_later();
 
-// How the AVX-512 dense kernel streams few rows of x (dense_avx512.cpp): chosen by the CPU's
-// vendor, or forced one way (tests run both on any CPU; the sums are the same either way).
-enum DenseStreaming { kStreamingByCpu = -1, kStreamingWalk = 0, kStreamingStaged = 1 };
+// How far ahead of the group it decodes an NVFP4 kernel asks for each weight row's codes (its
+// block scales: an eighth of it): 2 KiB, 6 KiB on Zen 5, whose cores stream faster than the
+// hardware prefetchers run ahead of a compute-heavy loop (one NVFP4 row of the real target's
+// layers: 3.5 against 4.5 ms there; docs/nvfp4.md).
+int64_t prefetch_ahead_bytes();
+
+// How the AVX-512 dense kernel streams few rows of x (dense_avx512.cpp): chosen by the CPU, or
+// forced one way (tests run every way on any CPU; the sums are the same in each).
+enum DenseStreaming { kStreamingByCpu = -1, kStreamingWalk = 0, kStreamingStaged = 1, kStreamingDirect = 2 };
 int dense_streaming();
 void set_dense_streaming(int mode);
 

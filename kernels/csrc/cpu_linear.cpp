@@ -258,7 +258,7 @@ int64_t cpu_supported_features() { return supported_features(); }
 void set_cpu_features(int64_t mask) { set_allowed_features(static_cast<int>(mask)); }
 int64_t get_dense_streaming() { return dense_streaming(); }
 void force_dense_streaming(int64_t mode) {
-  HR_CHECK(mode >= kStreamingByCpu && mode <= kStreamingStaged, "dense streaming mode must be -1, 0 or 1, got ", mode);
+  HR_CHECK(mode >= kStreamingByCpu && mode <= kStreamingDirect, "dense streaming mode must be -1, 0, 1 or 2, got ", mode);
   set_dense_streaming(static_cast<int>(mode));
 }
 

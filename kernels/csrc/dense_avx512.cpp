@@ -21,7 +21,15 @@
 //   taken in turn: the prefetch for every pair brings 2 rows to 12.5 ms from 17.7 and 5 rows to
 //   16.7 from 23.1, and one row staged takes 12.6-13.4 ms against 15.5-21.7 for the walk (12 MLP
 //   gate/up projections [9728, 896] read from memory: 9.9-11.1 against 13.2-18.1).
-// AMD CPUs take the first way, the others the second (stream_every_pair()).
+// - a 2-vCPU Zen 5 guest (AMD family 0x1A; about 90 GB/s for two cores), neither: staging a pair
+//   costs more than it saves there (2 rows 2.3x one row's time, 5 rows 2.5x on the whole bf16
+//   target), and each thread reading its weight rows straight from memory keeps up with the
+//   memory for several rows of x. So the third way (`kStreamingDirect`): up to 8 rows of x that
+//   fit in half of L1 meet one weight row at a time (16 accumulators; the lm_head, 5 rows: 1.00x
+//   one row's time against 2.3x staged), up to 16 rows within L1 two weight rows at a time in
+//   pieces of five (9 rows: 1.4x against 2.9x blocked).
+// Zen 5 and later take the third way, earlier AMD CPUs the first, the others the second
+// (streaming()).
 //
 // With more rows of x, or once they no longer fit in L1 (a long verify, a prefill chunk, wide
 // layers) four weight rows share each load of x (three x rows each load of a weight row), 64
@@ -44,18 +52,22 @@ constexpr int64_t kOnePass = 4;
 constexpr int64_t kStagedRows = 16;
 constexpr int64_t kStagedBytes = 32 << 10;
 constexpr int64_t kPiece = 5;       // rows of x per dot_block<T, 2, G> (G <= 5)
-constexpr int64_t kPairsAhead = 2;  // the pair prefetched into L2 while a pair computes (stream_every_pair())
+constexpr int64_t kPairsAhead = 2;  // the pair prefetched into L2 while a pair computes (kStreamingStaged)
 
-// Whether the staged path streams the second way at the top of the file (one row of x staged
-// too, and every pair asking for the pair kPairsAhead on), or the first (one row walked, the
-// prefetch only for pairs that take several pieces of x).
-bool stream_every_pair() {
-  switch (dense_streaming()) {
-    case kStreamingWalk: return false;
-    case kStreamingStaged: return true;
-    default: return !amd_cpu();
-  }
+// Which way at the top of the file few rows of x stream: the first (kStreamingWalk: one row
+// walked, a pair staged with the prefetch only for pairs that take several pieces of x), the
+// second (kStreamingStaged: one row staged too, and every pair asking for the pair kPairsAhead
+// on) or the third (kStreamingDirect: weight rows read straight from memory).
+int streaming() {
+  const int forced = dense_streaming();
+  if (forced != kStreamingByCpu) return forced;
+  return amd_zen5_or_later() ? kStreamingDirect : amd_cpu() ? kStreamingWalk : kStreamingStaged;
 }
+
+// The third way's two sizes: rows of x one weight row meets at once, and the most rows two
+// weight rows meet in pieces of kPiece (bytes of x: within half of L1, and within L1).
+constexpr int64_t kDirectOne = 8;
+constexpr int64_t kDirectPairs = 16;
 
 // Blocks for many rows of x: 64 weight rows (kept in L2) against chunks of x rows that fit half
 // of L1, four weight rows by four x rows at a time (dot_block_phased).
@@ -105,6 +117,26 @@ void staged_rows(const typename T::W* w, int64_t in, const typename T::X* x, int
   for (; r < r1; ++r) rows_times_x<T, 1, 4>(w + r * in, in, x, in, n, in, r, nullptr, y, out);
 }
 
+// Weight row r against n <= kDirectOne rows of x in one block, chosen once per call rather than
+// by rows_times_x's chain of calls for each row (a 151936-row lm_head: 0.6 ms).
+template <typename T>
+using OneRowBlock = void (*)(const typename T::W*, int64_t, const typename T::X*, int64_t, int64_t, const float*, float*,
+                             int64_t);
+
+template <typename T>
+OneRowBlock<T> one_row_block(int64_t n) {
+  switch (n) {
+    case 1: return dot_block<T, 1, 1>;
+    case 2: return dot_block<T, 1, 2>;
+    case 3: return dot_block<T, 1, 3>;
+    case 4: return dot_block<T, 1, 4>;
+    case 5: return dot_block<T, 1, 5>;
+    case 6: return dot_block<T, 1, 6>;
+    case 7: return dot_block<T, 1, 7>;
+    default: return dot_block<T, 1, kDirectOne>;
+  }
+}
+
 template <typename T>
 void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const typename T::W* w, int64_t out, float* y) {
   const int64_t x_row = in * static_cast<int64_t>(sizeof(typename T::X));
@@ -112,12 +144,28 @@ void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const type
   const bool blocked = n > kOnePass || (n > 1 && n * x_row > kBlockedAbove);
   const int64_t x_chunk = std::max<int64_t>(4, (512 << 10) / x_row / 4 * 4);
   const int64_t pair_bytes = 2 * in * static_cast<int64_t>(sizeof(typename T::W));
-  const bool every_pair = stream_every_pair();  // read once per call, not per thread
-  const bool staged = n >= 1 && (n > 1 || every_pair) && n <= kStagedRows && n * x_row + pair_bytes <= kStagedBytes;
+  const int way = streaming();  // read once per call, not per thread
+  const bool every_pair = way == kStreamingStaged;
+  const bool direct_one = way == kStreamingDirect && n <= kDirectOne && n * x_row <= kBlockedAbove;
+  const bool direct_pairs = way == kStreamingDirect && !direct_one && n <= kDirectPairs && n * x_row <= 2 * kBlockedAbove;
+  const bool staged = way != kStreamingDirect && n >= 1 && (n > 1 || every_pair) && n <= kStagedRows &&
+                      n * x_row + pair_bytes <= kStagedBytes;
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
+    if (direct_one) {
+      const OneRowBlock<T> block = one_row_block<T>(n);
+      for (int64_t r = r0; r < r1; ++r) block(w + r * in, in, x, in, in, nullptr, y + r, out);
+      return;
+    }
+    if (direct_pairs) {
+      int64_t r = r0;
+      for (; r + 2 <= r1; r += 2) rows_times_x<T, 2, kPiece>(w + r * in, in, x, in, n, in, r, nullptr, y, out);
+      for (; r < r1; ++r) rows_times_x<T, 1, kPiece>(w + r * in, in, x, in, n, in, r, nullptr, y, out);
+      return;
+    }
     if (staged) return staged_rows<T>(w, in, x, n, r0, r1, y, out, every_pair);
-    if (!blocked) {
-      for (int64_t r = r0; r < r1; ++r) rows_times_x<T, 1, 4>(w + r * in, in, x, in, n, in, r, nullptr, y, out);
+    if (!blocked) {  // n <= kOnePass
+      const OneRowBlock<T> block = one_row_block<T>(n);
+      for (int64_t r = r0; r < r1; ++r) block(w + r * in, in, x, in, in, nullptr, y + r, out);
       return;
     }
     for (int64_t c0 = r0; c0 < r1; c0 += kWeightChunk) {

@@ -443,7 +443,6 @@ struct Ahead {
   const char* at[3] = {nullptr, nullptr, nullptr};
   int64_t bytes[3] = {0, 0, 0};
 };
-using hetero_run_cpu::kAheadBytes;  // the window the kernels prefetch ahead of their group loop
 
 struct Team {
   int id = 0, size = 1;
@@ -519,26 +518,27 @@ Ahead ahead_of(const Proj& p, std::pair<int64_t, int64_t> rows, int64_t li = 0) 
   Ahead ah;
   const auto [a, b] = rows;
   if (!p.set() || a >= b) return ah;
+  const int64_t window = hetero_run_cpu::prefetch_ahead_bytes();  // what the kernels run ahead of their loop
   if (p.codes.defined()) {
     const int64_t half = p.codes.size(1), nb = p.scales.size(1);
     const auto* c = reinterpret_cast<const char*>(p.codes.data_ptr<uint8_t>());
     const auto* s = reinterpret_cast<const char*>(p.scales.data_ptr<uint8_t>());
     ah.at[0] = c + a * half;
-    ah.bytes[0] = std::min(kAheadBytes, (b - a) * half);
+    ah.bytes[0] = std::min(window, (b - a) * half);
     ah.at[1] = s + a * nb;
-    ah.bytes[1] = std::min(kAheadBytes / 8, (b - a) * nb);
+    ah.bytes[1] = std::min(window / 8, (b - a) * nb);
     if (li > 0) {
       ah.at[2] = c + (li + a) * half;
-      ah.bytes[2] = std::min(kAheadBytes, (b - a) * half);
+      ah.bytes[2] = std::min(window, (b - a) * half);
     }
   } else {
     const int64_t row = p.in * static_cast<int64_t>(p.w.element_size());
     const auto* w = reinterpret_cast<const char*>(p.w.data_ptr());
     ah.at[0] = w + a * row;
-    ah.bytes[0] = std::min(kAheadBytes, (b - a) * row);
+    ah.bytes[0] = std::min(window, (b - a) * row);
     if (li > 0) {
       ah.at[1] = w + (li + a) * row;
-      ah.bytes[1] = std::min(kAheadBytes, (b - a) * row);
+      ah.bytes[1] = std::min(window, (b - a) * row);
     }
   }
   return ah;

@@ -6,11 +6,9 @@
 
 namespace hetero_run_cpu {
 
-// How far ahead of the group it decodes an NVFP4 kernel prefetches each weight row's codes (its
-// block scales: an eighth of it); a caller that starts a kernel on cold weights can prefetch this
-// much of them first.
-constexpr int64_t kAheadBytes = 2048;
-
+// A caller that starts a kernel on cold weights can first prefetch prefetch_ahead_bytes()
+// (cpu_kernels.h) of them, the window the NVFP4 kernels run ahead of their group loop.
+//
 // Output rows r0 .. r1 - 1 of hetero_run::nvfp4_linear(x, codes, block_scale, row_scale, path) and
 // of hetero_run::dense_linear(x, w, path), path 0 (the best allowed kernels) or 1 (the same without
 // AMX), into y [n, r1 - r0] (row-major): the same kernel and the same bits as those rows of the op.

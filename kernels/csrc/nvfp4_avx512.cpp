@@ -95,13 +95,17 @@ HR_AVX512 inline __m512 fp8_to_float(__m512i d) {
 // Whether this thread treats denormal inputs as zero (MXCSR DAZ), which fp8_to_float relies on not.
 inline bool denormals_are_zero() { return (_mm_getcsr() & 0x0040) != 0; }
 
-// The decoder's constant vectors, loaded once per row range, and how it converts scales.
+// The decoder's constant vectors, loaded once per row range, how it converts scales, and how far
+// ahead it prefetches (prefetch_ahead_bytes(), read here rather than in the group loop: a check
+// there, even of a static, slowed the loop by a third).
 struct Consts {
   __m512i table, even, odd, halves8;
   bool daz;
+  int64_t ahead;
   HR_AVX512 Consts()
       : table(_mm512_load_si512(kE2M1Bf16x2)), even(_mm512_load_si512(kEvenDwords)),
-        odd(_mm512_load_si512(kOddDwords)), halves8(_mm512_load_si512(kHalves8)), daz(denormals_are_zero()) {}
+        odd(_mm512_load_si512(kOddDwords)), halves8(_mm512_load_si512(kHalves8)), daz(denormals_are_zero()),
+        ahead(prefetch_ahead_bytes()) {}
 };
 
 // 16 scale bytes (lane l's block scale in byte l) -> 16 floats.
@@ -206,8 +210,8 @@ void permute_x(const X* x, int64_t n, const Groups& L, X* xp, bool split_words) 
 }
 
 // The hardware prefetchers fall short of the memory's bandwidth on streams this compute-heavy:
-// each weight row asks for its codes kAheadBytes (linear_rows.h) ahead of the group being
-// decoded, and for its scales as far ahead in their own (8 times slower) stream.
+// each weight row asks for its codes prefetch_ahead_bytes() (cpu_kernels.h) ahead of the group
+// being decoded, and for its scales as far ahead in their own (8 times slower) stream.
 
 // Every part of a block's group loop is inlined into the block: a call would pass the R x N
 // accumulators through memory.
@@ -257,9 +261,9 @@ HR_AVX512BF16 HR_ALWAYS_INLINE void block_group(const Consts& k, const BlockArgs
   for (int q = 0; q < R; ++q) {
     const uint8_t* c = a.codes + q * a.half + g * 128;
     const uint8_t* s = a.scales + q * a.nb + g * 16;
-    _mm_prefetch(reinterpret_cast<const char*>(c + kAheadBytes), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(c + kAheadBytes + 64), _MM_HINT_T0);
-    if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(s + kAheadBytes / 8), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c + k.ahead), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(c + k.ahead + 64), _MM_HINT_T0);
+    if ((g & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(s + k.ahead / 8), _MM_HINT_T0);
     group_words<W>(k, c, s, valid, v[q], S[q]);
   }
   __m512 t[R][N];
@@ -324,14 +328,16 @@ void block_n(int n, const Consts& k, const Groups& L, const BlockArgs<M>& a, con
 // kNearBytes) take R = 4 for one row of x and R = 2 for more: four short rows side by side still
 // read as one stream, and four chains of dot products are in flight. Long rows read
 // side by side stream slower, so one or two rows of x take one weight row at a time (a single
-// stream, with enough groups per row to keep the chains busy) and more take R = 2. A block of
+// stream, with enough groups per row to keep the chains busy) and more take R = 2; on Zen 5,
+// whose cores stream two long rows at once as fast as one, two rows of x take R = 2 too (the
+// down projection [896, 4864], 2 rows: 1.11x one row's time against 1.26x). A block of
 // rows stays in L1 from one piece to the next. Rows of x are taken in passes that fit L2, so a
 // prefill chunk streams the weights once per pass.
 constexpr int64_t kNearBytes = 2048;
 
 inline int rows_per_block(int64_t half, int64_t m) {
   if (4 * half <= kNearBytes) return m == 1 ? 4 : 2;
-  return m <= 2 ? 1 : 2;
+  return m == 1 || (m == 2 && !amd_zen5_or_later()) ? 1 : 2;
 }
 
 template <typename M>
@@ -343,10 +349,10 @@ void nvfp4_rows(const typename M::X* xp, int64_t n, const Groups& L, const uint8
   const int64_t most = max_rows_per_piece();
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
     const Consts k;
-    // the first kAheadBytes of the range, which the prefetches in the group loop run ahead of
-    for (int64_t b = 0; b < std::min(kAheadBytes, (r1 - r0) * half); b += 64)
+    // the first k.ahead bytes of the range, which the prefetches in the group loop run ahead of
+    for (int64_t b = 0; b < std::min(k.ahead, (r1 - r0) * half); b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(codes + r0 * half + b), _MM_HINT_T0);
-    for (int64_t b = 0; b < std::min(kAheadBytes / 8, (r1 - r0) * nb); b += 64)
+    for (int64_t b = 0; b < std::min(k.ahead / 8, (r1 - r0) * nb); b += 64)
       _mm_prefetch(reinterpret_cast<const char*>(scales + r0 * nb + b), _MM_HINT_T0);
     for (int64_t p0 = 0; p0 < n; p0 += pass) {
       const int64_t m = std::min(pass, n - p0);
@@ -392,7 +398,10 @@ HR_AVX512 void row_scales_avx512(const uint8_t* s, int64_t nblocks, float* out) 
 void nvfp4_linear_avx512_bf16(const uint16_t* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
                               const float* row_scale, int64_t out, float* y) {
   const Groups L(in);
-  std::vector<uint16_t> xp(n * L.kp);
+  // on 64-byte boundaries (L.kp is a multiple of 128 elements, so every row is): a load of x
+  // split across two cache lines costs two, and a piece of five rows loads five x vectors for
+  // every ten dot products (5 rows of the real target's layers on Zen 5: 0.85x the time)
+  Aligned<uint16_t> xp(n * L.kp);
   permute_x(x, n, L, xp.data(), false);
   nvfp4_rows<Bf16Mode>(xp.data(), n, L, codes, scales, row_scale, out, y);
 }
@@ -400,7 +409,7 @@ void nvfp4_linear_avx512_bf16(const uint16_t* x, int64_t n, int64_t in, const ui
 void nvfp4_linear_avx512(const float* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
                          const float* row_scale, int64_t out, float* y) {
   const Groups L(in);
-  std::vector<float> xp(n * L.kp);
+  Aligned<float> xp(n * L.kp);
   permute_x(x, n, L, xp.data(), true);
   nvfp4_rows<Fp32Mode>(xp.data(), n, L, codes, scales, row_scale, out, y);
 }

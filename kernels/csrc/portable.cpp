@@ -128,6 +128,22 @@ bool amd_cpu() {
 #endif
 }
 
+bool amd_zen5_or_later() {
+#if HR_X86
+  static const bool zen5 = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!amd_cpu() || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+    const unsigned family = ((a >> 8) & 0xF) + (((a >> 8) & 0xF) == 0xF ? (a >> 20) & 0xFF : 0);
+    return family >= 0x1A;
+  }();
+  return zen5;
+#else
+  return false;
+#endif
+}
+
+int64_t prefetch_ahead_bytes() { return amd_zen5_or_later() ? 6144 : 2048; }
+
 bool has_avx2() { return allowed(kFeatureAvx2); }
 bool has_avx512() { return allowed(kFeatureAvx512); }
 bool has_avx512_bf16() { return allowed(kFeatureAvx512Bf16); }

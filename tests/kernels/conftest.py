@@ -69,7 +69,7 @@ def isa(request) -> cpu_isa.Isa:
     return request.param
 
 
-@pytest.fixture(params=[0, 1], ids=["walk", "staged"])
+@pytest.fixture(params=[0, 1, 2], ids=["walk", "staged", "direct"])
 def dense_streaming(request):
     """Each way the AVX-512 dense kernel streams few rows of x, forced in turn."""
     lib = compiled_ops()

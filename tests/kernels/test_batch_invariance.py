@@ -86,10 +86,10 @@ def test_each_compiled_path_is_batch_invariant(isa, inp):
 
 
 @pytest.mark.parametrize("out, inp", [(75, 896), (96, 256), (26, 1040)])
-def test_both_dense_streaming_ways_give_the_same_bits(isa, out, inp):
-    """The two ways the AVX-512 dense kernel streams few rows (chosen by the CPU's vendor) run
-    the same sums in the same order: every row count gives the same bits either way, and the
-    same bits as each row alone."""
+def test_every_dense_streaming_way_gives_the_same_bits(isa, out, inp):
+    """The three ways the AVX-512 dense kernel streams few rows (chosen by the CPU) run the same
+    sums in the same order: every row count gives the same bits each way, and the same bits as
+    each row alone."""
     _skip_amx_unless_tiles_fit(isa, inp)
     lib = cpu_ext.ops()
     g = torch.Generator().manual_seed(out + inp)
@@ -97,15 +97,15 @@ def test_both_dense_streaming_ways_give_the_same_bits(isa, out, inp):
     for dtype in [torch.bfloat16] if isa.bf16_only else [torch.bfloat16, torch.float32]:
         wd = w.to(dtype)
         x = torch.randn(17, inp, generator=g).to(dtype)
-        for n in (1, 2, 5, 9, 16, 17):
+        for n in (1, 2, 5, 8, 9, 16, 17):
             ys = []
-            for mode in (0, 1):
+            for mode in (0, 1, 2):
                 with forced_dense_streaming(lib, mode):
                     ys.append(lib.dense_linear(x[:n], wd, isa.path))
                     assert _row_by_row_equal(lambda r, wd=wd: lib.dense_linear(r, wd, isa.path), x[:n]) == [], (mode, n)
-            assert torch.equal(ys[0], ys[1]), (dtype, n)
-    with pytest.raises(RuntimeError, match="dense streaming mode must be -1, 0 or 1, got 2"):
-        lib.set_dense_streaming(2)
+            assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), (dtype, n)
+    with pytest.raises(RuntimeError, match="dense streaming mode must be -1, 0, 1 or 2, got 3"):
+        lib.set_dense_streaming(3)
 
 
 def test_prefill_sized_forwards_are_row_invariant_with_the_library():
