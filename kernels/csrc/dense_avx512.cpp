@@ -26,8 +26,9 @@
 //   target), and each thread reading its weight rows straight from memory keeps up with the
 //   memory for several rows of x. So the third way (`kStreamingDirect`): up to 8 rows of x that
 //   fit in half of L1 meet one weight row at a time (16 accumulators; the lm_head, 5 rows: 1.00x
-//   one row's time against 2.3x staged), up to 16 rows within L1 two weight rows at a time in
-//   pieces of five (9 rows: 1.4x against 2.9x blocked).
+//   one row's time against 2.3x staged), up to 12 rows within L1 two weight rows at a time in
+//   pieces of five (the whole bf16 target, 9 rows: 2.1x one row's time against 2.55x blocked; 16
+//   rows take the blocked way: 3.4x against 3.65x).
 // Zen 5 and later take the third way, earlier AMD CPUs the first, the others the second
 // (streaming()).
 //
@@ -67,7 +68,7 @@ int streaming() {
 // The third way's two sizes: rows of x one weight row meets at once, and the most rows two
 // weight rows meet in pieces of kPiece (bytes of x: within half of L1, and within L1).
 constexpr int64_t kDirectOne = 8;
-constexpr int64_t kDirectPairs = 16;
+constexpr int64_t kDirectPairs = 12;
 
 // Blocks for many rows of x: 64 weight rows (kept in L2) against chunks of x rows that fit half
 // of L1, four weight rows by four x rows at a time (dot_block_phased).
