@@ -1,8 +1,8 @@
 """The compiled CPU kernels (`csrc/*.cpp`): built on first use, cached, never required.
 
 `ops()` returns `torch.ops.hetero_run` with `nvfp4_linear`, `nvfp4_dequant`, `dense_linear`,
-`decode_attention`, `paged_attention`, `rms_norm`, the drafter's
-`draft_step` ops and the `cpu_features` family, or None when the library cannot
+`decode_attention`, `paged_attention`, `rms_norm`, the drafter's `DraftStep`, the target's
+`TargetLayer` (decoder_layer.py) and the `cpu_features` family, or None when the library cannot
 be built or loaded here (no compiler, no headers, unusual platform): callers then use the
 plain-PyTorch paths, after one warning. Before it is returned, the instruction sets its
 kernels may use are settled (cpu_isa.py: CPUID, then a self-test in a child process).
@@ -33,7 +33,7 @@ __all__ = ["FEATURE_AMX", "FEATURE_AVX2", "FEATURE_AVX512", "FEATURE_AVX512_BF16
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / f"{name}.cpp" for name in ("cpu_linear", "nvfp4_avx512", "dense_avx512", "avx2", "amx", "portable",
-                                              "decode_ops", "drafter_step")]
+                                              "decode_ops", "drafter_step", "decoder_layer")]
 NAME = "hetero_run_cpu_linear"
 OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []  # the libgomp torch itself uses
 

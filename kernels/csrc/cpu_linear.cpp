@@ -33,6 +33,7 @@
 #include "check.h"
 #include "cpu_kernels.h"
 #include "linear_rows.h"
+#include "ops.h"
 
 namespace hetero_run_cpu {
 namespace {
@@ -278,6 +279,16 @@ void dense_linear_rows(const at::Tensor& x, const at::Tensor& w, int64_t r0, int
   const bool bf16 = x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16;
   dense_run(choose(path, bf16, bf16 && x.size(1) % 32 == 0), x, w, r0, r1 - r0, y);
 }
+
+namespace ops {
+at::Tensor nvfp4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& block_scale,
+                        const at::Tensor& row_scale, int64_t path, bool bf16_out) {
+  return hetero_run_cpu::nvfp4_linear(x, codes, block_scale, row_scale, path, bf16_out);
+}
+at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& w, int64_t path, bool bf16_out) {
+  return hetero_run_cpu::dense_linear(x, w, path, bf16_out);
+}
+}  // namespace ops
 
 }  // namespace hetero_run_cpu
 

@@ -40,6 +40,7 @@
 
 #include "check.h"
 #include "cpu_kernels.h"
+#include "ops.h"
 
 #if HR_X86
 #include <immintrin.h>
@@ -732,6 +733,20 @@ at::Tensor row_argmax(const at::Tensor& x) {
 }
 
 }  // namespace
+
+namespace ops {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) { return hetero_run_cpu::rms_norm(x, w, eps); }
+at::Tensor silu_mul(const at::Tensor& gate_up) { return hetero_run_cpu::silu_mul(gate_up); }
+at::Tensor rope_write(const at::Tensor& qk, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                      const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& write_slots,
+                      int64_t heads) {
+  return hetero_run_cpu::rope_write(qk, v, cos, sin, k_cache, v_cache, write_slots, heads);
+}
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_slots,
+                           const at::Tensor& key_offsets, double scale) {
+  return hetero_run_cpu::paged_attention(q, k, v, key_slots, key_offsets, scale);
+}
+}  // namespace ops
 }  // namespace hetero_run_cpu
 
 TORCH_LIBRARY_FRAGMENT(hetero_run, m) {

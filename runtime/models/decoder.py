@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from hetero_run.kernels import decoder_layer
 from hetero_run.kernels.decode_ops import rms_norm
 from hetero_run.runtime.models.attention import Attention, AttentionRows
 from hetero_run.runtime.models.batch import ForwardBatch
@@ -27,6 +28,7 @@ from hetero_run.runtime.models.moe import SparseMoE
 from hetero_run.runtime.models.one_sequence import OneSequence
 from hetero_run.runtime.models.parallel import ParallelContext
 from hetero_run.runtime.models.rotary import Rotary
+from hetero_run.runtime.weights import DenseWeight, NVFP4Weight
 
 
 class DecoderLayer:
@@ -35,16 +37,60 @@ class DecoderLayer:
         self.input_norm, self.post_norm = input_norm, post_norm  # [hidden]
         self.attention, self.mlp, self.eps = attention, mlp, eps
         self.shape = tuple(input_norm.shape)
+        self.fused = None  # the same layer as one compiled call (`fuse`), where it applies
+        self.one_rank = True
 
     @property
     def nbytes(self) -> int:
         return self.input_norm.nbytes + self.post_norm.nbytes + self.attention.nbytes + self.mlp.nbytes
 
+    def fuse(self, ctx: ParallelContext) -> bool:
+        """Run this layer as one compiled call per forward (kernels/decoder_layer.py: the same
+        kernels in the same order, the same bits; two calls around the all-reduces at TP > 1)
+        where it applies: bf16 on the CPU with the compiled library, a gated MLP (not experts),
+        dense bf16 or NVFP4 weight-only products, a cache whose slots are contiguous rows."""
+        products = _fusable_products(self)
+        if products is None or ctx.device.type != "cpu" or not decoder_layer.enabled():
+            return False
+        a = self.attention
+        self.fused = decoder_layer.target_layer(a.heads, a.kv_heads, a.head_dim, self.eps, self.input_norm,
+                                                self.post_norm, a.qk_norm, a.k_cache, a.v_cache, products, a.eps)
+        self.one_rank = ctx.size == 1
+        return True
+
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  rows: AttentionRows) -> torch.Tensor:  # [n, hidden], updated in place
+        if self.fused is not None:
+            if self.one_rank:
+                return self.fused.forward(h, cos, sin, rows.write_slots, rows.key_slots, rows.key_offsets)
+            h += self.attention.o.reduce(self.fused.attention(h, cos, sin, rows.write_slots, rows.key_slots,
+                                                              rows.key_offsets))
+            h += self.mlp.down.reduce(self.fused.mlp(h))
+            return h
         h += self.attention(rms_norm(h, self.input_norm, self.eps), cos, sin, rows)
         h += self.mlp(rms_norm(h, self.post_norm, self.eps))
         return h
+
+
+def _fusable_products(layer: DecoderLayer) -> dict[str, decoder_layer.Product] | None:
+    """The layer's four products as the fused layer takes them, or None where it does not apply."""
+    a = layer.attention
+    if (not isinstance(layer.mlp, GatedMLP) or layer.input_norm.dtype != torch.bfloat16
+            or layer.post_norm.dtype != torch.bfloat16 or a.k_cache.dtype != torch.bfloat16
+            or (a.qk_norm is not None and a.qk_norm.dtype != torch.bfloat16)
+            or any(c.stride(2) != 1 or c.stride(1) != a.head_dim for c in (a.k_cache, a.v_cache))):
+        return None
+    products = {}
+    for name, linear in (("qkv", a.qkv), ("o", a.o), ("gate_up", layer.mlp.gate_up), ("down", layer.mlp.down)):
+        w = linear.weight
+        if isinstance(w, DenseWeight) and w.weight.dtype == torch.bfloat16:
+            products[name] = decoder_layer.Product(weight=w.weight, bias=linear.bias)
+        elif isinstance(w, NVFP4Weight) and w.activation != "w4a4":
+            products[name] = decoder_layer.Product(codes=w.codes, block_scale=w.block_scale, row_scale=w.row_scale,
+                                                   bias=linear.bias)
+        else:
+            return None
+    return products
 
 
 class TargetModel:
@@ -65,6 +111,7 @@ class TargetModel:
         self.device = ctx.device
         self.context = min(context or kv.max_tokens, kv.max_tokens, rotary.max_positions)  # tokens per sequence
         self.sequence = OneSequence(self.forward_batch, self.context, kv.block_size, prefill_chunk)
+        self.fused_layers = sum(layer.fuse(ctx) for layer in layers)  # run as one compiled call each
         # EAGLE-3 style hook (set with `capture`): the residual stream at the input of these
         # layers for the rows of the last forward, concatenated in layer order ->
         # `captured` [n, len(capture_layers) * hidden], on the ranks that called `capture`.

@@ -53,7 +53,11 @@ class RowParallelLinear:
         return self.weight.nbytes + (self.bias.nbytes if self.bias is not None else 0)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [n, in_local] -> [n, out]
-        y = self.ctx.all_reduce(self.weight.matmul(x))
+        return self.reduce(self.weight.matmul(x))
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """This rank's product y [n, out] -> the layer's output: summed over the group, plus the bias."""
+        y = self.ctx.all_reduce(y)
         if self.bias is not None:
             y += self.bias
         return y
