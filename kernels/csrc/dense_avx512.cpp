@@ -27,8 +27,8 @@
 //   memory for several rows of x. So the third way (`kStreamingDirect`): up to 8 rows of x that
 //   fit in half of L1 meet one weight row at a time (16 accumulators; the lm_head, 5 rows: 1.00x
 //   one row's time against 2.3x staged), up to 12 rows within L1 two weight rows at a time in
-//   pieces of five (the whole bf16 target, 9 rows: 2.1x one row's time against 2.55x blocked; 16
-//   rows take the blocked way: 3.4x against 3.65x).
+//   pieces of five (the whole bf16 target, 9 rows: 2.1x one row's time against 2.55x blocked);
+//   more rows take the first way (16 rows: 3.4x against 3.65x).
 // Zen 5 and later take the third way, earlier AMD CPUs the first, the others the second
 // (streaming()).
 //
@@ -149,7 +149,7 @@ void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const type
   const bool every_pair = way == kStreamingStaged;
   const bool direct_one = way == kStreamingDirect && n <= kDirectOne && n * x_row <= kBlockedAbove;
   const bool direct_pairs = way == kStreamingDirect && !direct_one && n <= kDirectPairs && n * x_row <= 2 * kBlockedAbove;
-  const bool staged = way != kStreamingDirect && n >= 1 && (n > 1 || every_pair) && n <= kStagedRows &&
+  const bool staged = !direct_one && !direct_pairs && n >= 1 && (n > 1 || every_pair) && n <= kStagedRows &&
                       n * x_row + pair_bytes <= kStagedBytes;
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
     if (direct_one) {
