@@ -49,3 +49,31 @@ def mismatches(model, seed: int = 0, prompt: int = 40, sizes=SIZES) -> list[str]
         model.truncate(keep)
         bad += _compare(model, ids[prompt + n:prompt + 2 * n], keep, "after a rollback")
     return bad
+
+
+def fused_and_plain(model) -> tuple[list, list]:
+    """The logits of one script (a prompt, a 5-row verify, a rollback, 3 one-token decodes, a 2-row
+    tree) with the model's decoder layers fused (kernels/decoder_layer.py), then again with them
+    run operation by operation. Tiny models start with unit norms and zero biases, which would hide
+    a mixed-up norm or a missing bias, so those are randomised first, in place (both paths share
+    them). Every rank of a group calls it alike."""
+    g = torch.Generator().manual_seed(2)
+    for layer in model.layers:
+        a = layer.attention
+        for t in (layer.input_norm, layer.post_norm, a.qk_norm, a.qkv.bias, a.o.bias):
+            if t is not None:
+                t.copy_(1 + 0.5 * torch.randn(t.shape, generator=g))
+    ids = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(1))
+
+    def script() -> list:
+        model.truncate(0)
+        out = [model.forward(ids[:17], torch.arange(17)), model.forward(ids[17:22], torch.arange(17, 22))]
+        model.truncate(19)
+        out += [model.forward(ids[22 + i:23 + i], torch.tensor([19 + i])) for i in range(3)]
+        out.append(model.forward(ids[25:28], torch.tensor([22, 23, 23]), parents=[-1, 0, 0]))
+        return out
+
+    fused = script()
+    for layer in model.layers:
+        layer.fused = None
+    return fused, script()

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from invariance_support import fused_and_plain
 from support import env_for_tests, mpirun_argv
 from tiny_models import ARCHITECTURES, tiny_checkpoint
 
@@ -19,43 +20,12 @@ pytestmark = pytest.mark.skipif(cpu_ext.ops() is None, reason="the compiled CPU 
 JOB = Path(__file__).with_name("fused_job.py")
 
 
-def _script(model) -> list[torch.Tensor]:
-    """A prompt, a 5-row verify, a rollback, 3 decode steps and a 2-row tree forward."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 300, (30,), generator=g)
-    model.truncate(0)
-    out = [model.forward(ids[:17], torch.arange(17)), model.forward(ids[17:22], torch.arange(17, 22))]
-    model.truncate(19)
-    out += [model.forward(ids[22 + i:23 + i], torch.tensor([19 + i])) for i in range(3)]
-    out.append(model.forward(ids[25:28], torch.tensor([22, 23, 23]), parents=[-1, 0, 0]))
-    return out
-
-
-def _randomise_norms_and_biases(model) -> None:
-    """Tiny models start with unit norms and zero biases, which would hide a mixed-up norm or a
-    missing bias; both paths share these tensors, so they are changed in place."""
-    g = torch.Generator().manual_seed(2)
-    for layer in model.layers:
-        a = layer.attention
-        for t in (layer.input_norm, layer.post_norm, a.qk_norm, a.qkv.bias, a.o.bias):
-            if t is not None:
-                t.copy_(1 + 0.5 * torch.randn(t.shape, generator=g))
-
-
-def _unfuse(model) -> None:
-    for layer in model.layers:
-        layer.fused = None
-
-
 @pytest.mark.parametrize("quant", ["nvfp4", "bf16"])
 @pytest.mark.parametrize("arch", [a for a in ARCHITECTURES if a != "qwen3_moe"])
 def test_fused_layers_give_the_bits_of_the_unfused_ones(arch, quant):
     model = load_model(tiny_checkpoint(arch, quant), dtype=torch.bfloat16, max_tokens=64)
     assert model.fused_layers == len(model.layers)
-    _randomise_norms_and_biases(model)
-    fused = _script(model)
-    _unfuse(model)
-    plain = _script(model)
+    fused, plain = fused_and_plain(model)
     for i, (a, b) in enumerate(zip(fused, plain, strict=True)):
         assert torch.equal(a, b), (arch, quant, i)
 
