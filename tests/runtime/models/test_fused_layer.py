@@ -55,7 +55,8 @@ def test_a_fused_layer_rejects_a_wrong_hidden_state():
 def test_fused_layers_give_the_bits_of_the_unfused_ones_at_tp2(tmp_path):
     path = tiny_checkpoint("qwen2", "nvfp4")
     proc = subprocess.run(mpirun_argv(2) + [sys.executable, str(JOB), str(path), str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env=env_for_tests())
+                          capture_output=True, text=True, timeout=300,
+                          env=env_for_tests({"PYTHONPATH": str(Path(__file__).parents[2])}))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = torch.load(tmp_path / "rank0.pt")
     layers = load_model(path, dtype=torch.bfloat16, max_tokens=32).config.num_layers
