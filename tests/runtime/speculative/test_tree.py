@@ -23,8 +23,17 @@ def test_the_docstring_example_merges_agreeing_paths():
     assert tree.depth == [0, 1, 2, 3, 3, 1]
     assert tree.model_rows == [0, 1, 2, 3]
     assert tree.sources[1] == MODEL | NGRAM and tree.sources[3] == MODEL and tree.sources[5] == SUFFIX
-    assert tree.reach[1] == 1 - 0.5 * 0.5  # two proposers agreeing: either being right is enough
+    assert tree.reach[1] == 1 - 0.5 * 0.5  # the model and a copy agreeing: either being right is enough
     assert not tree.is_chain
+
+
+def test_model_free_proposers_agreeing_keep_the_likelier_estimate():
+    tree = DraftTree()
+    tree.add_candidates(chain(NGRAM, [10, 11], 0.6))
+    tree.add_candidates(chain(SUFFIX, [10, 12], 0.5))
+    assert tree.sources[1] == NGRAM | SUFFIX
+    assert tree.reach[1] == 0.6  # both copy the same earlier text: not two pieces of evidence
+    assert tree.reach[2] == 0.6 * 0.6 and tree.reach[3] == 0.6 * 0.5  # children hang from the merged row
 
 
 def test_best_chain_follows_the_most_expected_tokens():
@@ -55,8 +64,12 @@ def test_restricted_and_graft_keep_parents_and_cells():
 def test_agreeing_proposers_never_make_a_row_likelier_than_its_parent():
     """Two proposers agreeing on a whole chain raise both rows' reach; the child must not pass its
     parent, or a prefix of the reach order would keep a row without its parent."""
+    copies = DraftTree()  # the two model-free proposers: the likelier estimate, the child capped too
+    copies.add_candidates(chain(NGRAM, [7, 8], 0.5))
+    copies.add_candidates(Candidates(SUFFIX, [7, 8], [-1, 0], [0.4, 1.0], [5, 9]))
+    assert copies.reach[2] <= copies.reach[1] == 0.5
     tree = DraftTree()
-    tree.add_candidates(chain(NGRAM, [7, 8], 0.5))
+    tree.add_model_chain([7, 8], 0.5)
     tree.add_candidates(Candidates(SUFFIX, [7, 8], [-1, 0], [0.5, 1.0], [5, 9]))
     assert tree.reach[2] <= tree.reach[1] == 1 - 0.5 * 0.5
     order = reach_order(tree)
