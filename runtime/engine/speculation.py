@@ -45,12 +45,8 @@ clients: a proposing step of 26 rows served its tokens at the plain steps' rate,
 below it). So what proposing did is measured too (`ProposingOutcome`): per count of deciding
 sequences (in bands: 1, 2, 3-4, 5-8, 9-16, ...), the seconds per emitted token of steps whose
 rounds proposed against those of steps whose rounds did not; where proposing has served slower,
-its steps stop proposing (prompt chunks or not), one probe step in `PROBE_EVERY` excepted, which
-keeps the figure current as the load changes. Each probe that finds proposing still slower
-doubles the wait before the next (up to `MAX_PROBE_EVERY` steps); one that finds it faster starts
-again from `PROBE_EVERY`. A probe is the dearest step of its band: on a Zen 5 host at 16 clients,
-6 probes that drafted took 279 ms each for 64 tokens against 43 ms for 16 in a plain step, 2.4% of
-the level's time at one probe in 16 steps (docs/serve.md).
+its steps stop proposing (prompt chunks or not), one step in `PROBE_EVERY` excepted, which keeps
+the figure current as the load changes.
 
 The step table is re-measured only where steps run: alone, once it prices extra rows too high
 (one 3-row step of a server's warm-up measured at 99 ms against 35 for one row, and the line
@@ -97,30 +93,23 @@ class ProposingOutcome:
 
     MIN_STEPS = 4
     PROBE_EVERY = 16  # while proposing is off in a band, every this many of its steps propose anyway
-    MAX_PROBE_EVERY = 256  # ... doubling after each probe that finds proposing still slower, up to this
 
     def __init__(self):
         self.seconds: dict[tuple[int, bool], _Mean] = {}
         self.tokens: dict[tuple[int, bool], _Mean] = {}
         self.steps: dict[tuple[int, bool], int] = {}
         self.since_proposing: dict[int, int] = {}
-        self.probe_every: dict[int, int] = {}  # band -> steps between probes while proposing is off
         self.without_drafts: dict[int, int] = {}  # band -> its steps since one verified draft rows
 
     def record(self, deciding: int, proposed: bool, seconds: float, tokens: int) -> None:
         if deciding < 1 or tokens < 1:
             return
         band = load_band(deciding)
-        probe = proposed and self.pays(deciding) is False  # proposing was off in this band: a probe
         key = (band, proposed)
         self.seconds.setdefault(key, _Mean()).add(seconds)
         self.tokens.setdefault(key, _Mean()).add(tokens)
         self.steps[key] = self.steps.get(key, 0) + 1
         self.since_proposing[band] = 0 if proposed else self.since_proposing.get(band, 0) + 1
-        if proposed:  # a probe that found proposing still slower waits twice as long for the next
-            every = self.probe_every.get(band, self.PROBE_EVERY)
-            slower = probe and self.pays(deciding) is False
-            self.probe_every[band] = min(2 * every, self.MAX_PROBE_EVERY) if slower else self.PROBE_EVERY
 
     def drafted(self, deciding: int, any_rows: bool) -> None:
         """A step's rounds (prompt chunks or not) verified draft rows, or none."""
@@ -153,8 +142,7 @@ class ProposingOutcome:
         """Whether this step's rounds may propose (the cost model still decides what)."""
         if self.pays(deciding) is not False:
             return True
-        band = load_band(deciding)
-        return self.since_proposing.get(band, 0) + 1 >= self.probe_every.get(band, self.PROBE_EVERY)
+        return self.since_proposing.get(load_band(deciding), 0) + 1 >= self.PROBE_EVERY
 
     def summary(self, deciding: int) -> str:
         band, parts = load_band(deciding), []
