@@ -44,9 +44,12 @@ per cent off there drafted steps that served fewer tokens a second than plain on
 clients: a proposing step of 26 rows served its tokens at the plain steps' rate, longer ones
 below it). So what proposing did is measured too (`ProposingOutcome`): per count of deciding
 sequences (in bands: 1, 2, 3-4, 5-8, 9-16, ...), the seconds per emitted token of steps whose
-rounds proposed against those of steps whose rounds did not; where proposing has served slower,
-its steps stop proposing (prompt chunks or not), one step in `PROBE_EVERY` excepted, which keeps
-the figure current as the load changes.
+rounds drafted against those of steps whose rounds did not; where drafting has served slower,
+its steps stop proposing (prompt chunks or not) until `PROBE_EVERY` steps have passed without a
+draft, which keeps the figure current as the load changes. (It compared steps allowed to propose
+with steps that were not, until a Zen 5 host at 16 clients showed why not: nearly every step was
+allowed there, the cost model drafted in few of them, and those few served 4.35 ms a token
+against the plain steps' 2.7 with nothing to compare them with: docs/serve.md.)
 
 The step table is re-measured only where steps run: alone, once it prices extra rows too high
 (one 3-row step of a server's warm-up measured at 99 ms against 35 for one row, and the line
@@ -88,11 +91,11 @@ def load_band(deciding: int) -> int:
 class ProposingOutcome:
     """Seconds per emitted token of decode-and-verify steps (their seconds over their tokens), by
     the band of how many sequences decided in the step (`load_band`) and whether their rounds
-    proposed: proposing stays on in a band unless both are measured (`MIN_STEPS` each) and the
-    proposing steps were the slower."""
+    drafted (`proposed`: verified draft rows): proposing stays on in a band unless both are
+    measured (`MIN_STEPS` each) and the drafting steps were the slower."""
 
     MIN_STEPS = 4
-    PROBE_EVERY = 16  # while proposing is off in a band, every this many of its steps propose anyway
+    PROBE_EVERY = 16  # while proposing is off in a band, it may propose again after this many steps without a draft
 
     def __init__(self):
         self.seconds: dict[tuple[int, bool], _Mean] = {}
@@ -217,7 +220,8 @@ class Speculation:
         self.drafts_per_round = _Mean(0.0, 1e-9)  # draft rows a deciding sequence verified lately
         self.tokens_per_round = _Mean(1.0, 1e-9)  # and the tokens it kept
         self.outcome = ProposingOutcome()
-        self.proposing = (0, False)  # the step being run: its deciding sequences, whether they proposed
+        self.proposing = (0, False)  # the step being run: its deciding sequences, whether they may propose
+        self.step_drafted = False  # whether the step being run verified draft rows
 
     @property
     def algorithm(self) -> str:
@@ -242,11 +246,11 @@ class Speculation:
         (proposers, drafter), the forward, verifying and committing every sequence's rows (what
         the step pricing charges, and what proposing did)."""
         self.step_seconds.record(rows, seconds)
-        deciding, proposed = self.proposing
-        self.outcome.record(deciding, proposed, seconds, tokens)
+        self.outcome.record(self.proposing[0], self.step_drafted, seconds, tokens)
 
     def measured_rounds(self, draft_rows: list[int], kept: list[int]) -> None:
         """A step's rounds: each deciding sequence's draft rows and the tokens it kept."""
+        self.step_drafted = any(draft_rows)
         if draft_rows:
             self.drafts_per_round.add(sum(draft_rows) / len(draft_rows))
             self.tokens_per_round.add(sum(kept) / len(kept))
@@ -326,7 +330,7 @@ class Speculation:
                 view.bind(i, lambda seq=seq: seq.computed)
             if item.decides and getattr(seq.speculation, "session", None) is not None:
                 deciding.append(i)  # not a prompt chunk, nor the prompt's last row (`first` decides that one)
-        self.proposing = (len(deciding), False)
+        self.proposing, self.step_drafted = (len(deciding), False), False
         if not deciding:
             return {}
         step_rows = sum(item.rows for item in scheduled)
