@@ -118,26 +118,6 @@ void staged_rows(const typename T::W* w, int64_t in, const typename T::X* x, int
   for (; r < r1; ++r) rows_times_x<T, 1, 4>(w + r * in, in, x, in, n, in, r, nullptr, y, out);
 }
 
-// Weight row r against n <= kDirectOne rows of x in one block, chosen once per call rather than
-// by rows_times_x's chain of calls for each row (a 151936-row lm_head: 0.6 ms).
-template <typename T>
-using OneRowBlock = void (*)(const typename T::W*, int64_t, const typename T::X*, int64_t, int64_t, const float*, float*,
-                             int64_t);
-
-template <typename T>
-OneRowBlock<T> one_row_block(int64_t n) {
-  switch (n) {
-    case 1: return dot_block<T, 1, 1>;
-    case 2: return dot_block<T, 1, 2>;
-    case 3: return dot_block<T, 1, 3>;
-    case 4: return dot_block<T, 1, 4>;
-    case 5: return dot_block<T, 1, 5>;
-    case 6: return dot_block<T, 1, 6>;
-    case 7: return dot_block<T, 1, 7>;
-    default: return dot_block<T, 1, kDirectOne>;
-  }
-}
-
 template <typename T>
 void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const typename T::W* w, int64_t out, float* y) {
   const int64_t x_row = in * static_cast<int64_t>(sizeof(typename T::X));
@@ -153,8 +133,7 @@ void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const type
                       n * x_row + pair_bytes <= kStagedBytes;
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
     if (direct_one) {
-      const OneRowBlock<T> block = one_row_block<T>(n);
-      for (int64_t r = r0; r < r1; ++r) block(w + r * in, in, x, in, in, nullptr, y + r, out);
+      for (int64_t r = r0; r < r1; ++r) rows_times_x<T, 1, kDirectOne>(w + r * in, in, x, in, n, in, r, nullptr, y, out);
       return;
     }
     if (direct_pairs) {
@@ -164,9 +143,8 @@ void dense_linear_impl(const typename T::X* x, int64_t n, int64_t in, const type
       return;
     }
     if (staged) return staged_rows<T>(w, in, x, n, r0, r1, y, out, every_pair);
-    if (!blocked) {  // n <= kOnePass
-      const OneRowBlock<T> block = one_row_block<T>(n);
-      for (int64_t r = r0; r < r1; ++r) block(w + r * in, in, x, in, in, nullptr, y + r, out);
+    if (!blocked) {
+      for (int64_t r = r0; r < r1; ++r) rows_times_x<T, 1, kOnePass>(w + r * in, in, x, in, n, in, r, nullptr, y, out);
       return;
     }
     for (int64_t c0 = r0; c0 < r1; c0 += kWeightChunk) {
