@@ -149,7 +149,7 @@ class ProposingOutcome:
 
     def summary(self, deciding: int) -> str:
         band, parts = load_band(deciding), []
-        for proposed, name in ((True, "proposing"), (False, "plain")):
+        for proposed, name in ((True, "drafting"), (False, "plain")):
             measured = (band, proposed) in self.steps
             parts.append(f"{name} {self.seconds_per_token(deciding, proposed) * 1e3:.2f} ms/token over "
                          f"{self.steps[band, proposed]} steps" if measured else f"{name} unmeasured")
@@ -220,7 +220,7 @@ class Speculation:
         self.drafts_per_round = _Mean(0.0, 1e-9)  # draft rows a deciding sequence verified lately
         self.tokens_per_round = _Mean(1.0, 1e-9)  # and the tokens it kept
         self.outcome = ProposingOutcome()
-        self.proposing = (0, False)  # the step being run: its deciding sequences, whether they may propose
+        self.deciding = 0  # the step being run: how many of its sequences decide a round
         self.step_drafted = False  # whether the step being run verified draft rows
 
     @property
@@ -246,7 +246,7 @@ class Speculation:
         (proposers, drafter), the forward, verifying and committing every sequence's rows (what
         the step pricing charges, and what proposing did)."""
         self.step_seconds.record(rows, seconds)
-        self.outcome.record(self.proposing[0], self.step_drafted, seconds, tokens)
+        self.outcome.record(self.deciding, self.step_drafted, seconds, tokens)
 
     def measured_rounds(self, draft_rows: list[int], kept: list[int]) -> None:
         """A step's rounds: each deciding sequence's draft rows and the tokens it kept."""
@@ -330,7 +330,7 @@ class Speculation:
                 view.bind(i, lambda seq=seq: seq.computed)
             if item.decides and getattr(seq.speculation, "session", None) is not None:
                 deciding.append(i)  # not a prompt chunk, nor the prompt's last row (`first` decides that one)
-        self.proposing, self.step_drafted = (len(deciding), False), False
+        self.deciding, self.step_drafted = len(deciding), False
         if not deciding:
             return {}
         step_rows = sum(item.rows for item in scheduled)
@@ -349,9 +349,8 @@ class Speculation:
         if can_pay and not explore and not self.outcome.allows(len(deciding)):
             can_pay = False
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("%d deciding sequences: not proposing, it served slower (%s)", len(deciding),
+                log.debug("%d deciding sequences: not proposing, drafting served slower (%s)", len(deciding),
                           self.outcome.summary(len(deciding)))
-        self.proposing = (len(deciding), can_pay)
         for i in deciding:
             item = scheduled[i]
             item.seq.speculation.verify_estimate = estimate

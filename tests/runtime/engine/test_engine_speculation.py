@@ -164,7 +164,7 @@ def test_where_proposing_served_slower_the_steps_do_not_propose():
     measured = spec.measured_step
 
     def spy(rows, seconds, tokens):
-        steps.setdefault(spec.proposing[0], []).append(spec.step_drafted)
+        steps.setdefault(spec.deciding, []).append(spec.step_drafted)
         measured(rows, seconds, tokens)
 
     spec.measured_step = spy

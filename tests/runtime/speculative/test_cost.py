@@ -199,7 +199,7 @@ def _step_planner():
     planner = Speculation.__new__(Speculation)
     planner.step_cost, planner.step_seconds = _Line(), VerifyCost()
     planner.drafts_per_round, planner.tokens_per_round = _Mean(0.0, 1e-9), _Mean(1.0, 1e-9)
-    planner.outcome, planner.proposing, planner.step_drafted = ProposingOutcome(), (0, False), False
+    planner.outcome, planner.deciding, planner.step_drafted = ProposingOutcome(), 0, False
     return planner
 
 
