@@ -35,10 +35,13 @@ demo: setup
 		--max-new-tokens 192 --prompts-file "$(DEMO_PROMPTS)"
 
 # Optional: llama-cpp-python built from its PyPI source for the peer row of bench/speculative.py.
-# Portable x86 build with the AVX-512 paths and without AMX (its AMX path dies with SIGILL on
-# these VMs); two threads, as the bench runs it. Takes a while on two cores.
+# Portable x86 build (its AMX path dies with SIGILL on these VMs, so AMX stays off) with the
+# AVX-512 paths this CPU lists in /proc/cpuinfo, none on an AVX2-only CPU (they would die with
+# SIGILL there too); two threads, as the bench runs it. Takes a while on two cores.
+cpu_has = $(if $(shell grep -m1 -ow '$(1)' /proc/cpuinfo 2>/dev/null),ON,OFF)
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON \
+	-DGGML_AVX512=$(call cpu_has,avx512f) -DGGML_AVX512_VNNI=$(call cpu_has,avx512_vnni) \
+	-DGGML_AVX512_BF16=$(call cpu_has,avx512_bf16) -DGGML_AVX512_VBMI=$(call cpu_has,avx512vbmi) \
 	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF
 bench-peers: setup
 	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" CMAKE_BUILD_PARALLEL_LEVEL=2 $(BIN)/python -m pip install --no-binary llama-cpp-python \

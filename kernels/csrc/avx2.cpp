@@ -1,7 +1,9 @@
 // x @ W.T with AVX2 + FMA (CPUs without AVX-512): float32 x, 256-bit FMA, fp32 sums.
-// Dense bf16 weights widen exactly; NVFP4 rows decode to exact float32 tiles (E2M1 magnitude
-// looked up with vpermps, the sign moved into place, times the fp8 block scale: at most 6
-// significant bits) in natural order, then multiply like dense rows. bf16 x arrives widened.
+// Dense bf16 weights widen exactly. NVFP4 weights decode to exact float32 (E2M1 by byte lookups,
+// times the fp8 block scale: at most 6 significant bits) in an order x is permuted to match:
+// for up to 4 rows of x in registers, against each row as it is decoded; for more, into a tile
+// that every group of x rows reads. Both sum in one order, so the bits do not depend on n. bf16
+// x arrives widened.
 #include "cpu_kernels.h"
 
 #if HR_X86
@@ -94,27 +96,165 @@ void dense_impl(const float* x, int64_t n, int64_t in, const Wt* w, int64_t out,
   });
 }
 
-// Rows r .. r + rows - 1 as exact float32, natural order: tile [rows][in].
-HR_AVX2 void decode_rows(const uint8_t* codes, const uint8_t* scales, int64_t in, int64_t r, int64_t rows,
-                         float* tile) {
+// NVFP4 codes -> exact float32 E2M1 values, by two byte lookups (vpshufb) per 32 weights: a
+// code's float32 has only its top two bytes set (sign, exponent and one mantissa bit), one
+// table gives byte 3 and one byte 2. The 16 code bytes of 32 weights are broadcast to both
+// 128-bit lanes, the low nibbles kept in lane 0 and the high ones in lane 1 (elements 2b and
+// 2b + 1 of byte b); interleaving the looked-up bytes makes bf16 words, and a word shifted up
+// (even words) or masked (odd words) is its float32. Per 32 weights the vectors hold elements
+//   v0 = {0, 4, 8, 12, 1, 5, 9, 13}, v1 = {2, 6, 10, 14, 3, 7, 11, 15}, v2, v3 = those + 16,
+// so v0, v1 are block 0 and v2, v3 block 1; x is permuted once per call to match (kPerm).
+// About 10 vector operations per 32 weights where a vpermps per 8 took about 24.
+constexpr int kPerm[32] = {0,  4,  8,  12, 1,  5,  9,  13, 2,  6,  10, 14, 3,  7,  11, 15,
+                           16, 20, 24, 28, 17, 21, 25, 29, 18, 22, 26, 30, 19, 23, 27, 31};
+
+struct E2M1Decoder {
+  __m256i low, high, shifts, nibble, top;
+  HR_AVX2 E2M1Decoder() {
+    alignas(16) uint8_t lo[16], hi[16];
+    for (int c = 0; c < 16; ++c) {
+      uint32_t bits;
+      std::memcpy(&bits, &kE2M1[c], 4);
+      lo[c] = static_cast<uint8_t>(bits >> 16);
+      hi[c] = static_cast<uint8_t>(bits >> 24);
+    }
+    low = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(lo)));
+    high = _mm256_broadcastsi128_si256(_mm_load_si128(reinterpret_cast<const __m128i*>(hi)));
+    shifts = _mm256_setr_epi64x(0, 0, 4, 4);
+    nibble = _mm256_set1_epi8(15);
+    top = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  }
+  // Codes of 32 weights (16 bytes) -> v[0..3]; of 16 (8 bytes, `half`) -> v[0..1].
+  template <bool half = false>
+  HR_AVX2 inline void operator()(const uint8_t* c, __m256* v) const {
+    const __m128i bytes = half ? _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))
+                               : _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    const __m256i codes = _mm256_and_si256(_mm256_srlv_epi64(_mm256_broadcastsi128_si256(bytes), shifts), nibble);
+    const __m256i lo = _mm256_shuffle_epi8(low, codes), hi = _mm256_shuffle_epi8(high, codes);
+    const __m256i w0 = _mm256_unpacklo_epi8(lo, hi);
+    v[0] = _mm256_castsi256_ps(_mm256_slli_epi32(w0, 16));
+    v[1] = _mm256_castsi256_ps(_mm256_and_si256(w0, top));
+    if (!half) {
+      const __m256i w1 = _mm256_unpackhi_epi8(lo, hi);
+      v[2] = _mm256_castsi256_ps(_mm256_slli_epi32(w1, 16));
+      v[3] = _mm256_castsi256_ps(_mm256_and_si256(w1, top));
+    }
+  }
+};
+
+// x [n, in] (float32) -> xp in the decoder's order, 32 elements at a time (a last 16 take the
+// first half of the pattern, which stays within them).
+void permute_x(const float* x, int64_t n, int64_t in, float* xp) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t k = 0; k < in; k += 32) {
+      const int64_t m = std::min<int64_t>(32, in - k);
+      for (int64_t p = 0; p < m; ++p) xp[i * in + k + p] = x[i * in + k + kPerm[p]];
+    }
+}
+
+// Weight row r's 16-weight block b: its fp8 scale.
+HR_AVX2 inline __m256 block_scale(const float* fp8, const uint8_t* s, int64_t b) { return _mm256_broadcast_ss(fp8 + s[b]); }
+
+// Weight rows r .. r + R - 1 times G rows of permuted x, decoded in registers (R * G * 2
+// accumulators; the same sums, in the same order, as rows_times_x over decode_rows' tile). Each
+// row asks for its codes `ahead` bytes ahead and its scales as far ahead in their stream (long
+// rows of a one-row product from memory: 3.2 against 3.7 ns per 32 weights on a Zen 3 core).
+template <int R, int G>
+HR_AVX2 void rows_in_registers(const E2M1Decoder& dec, const uint8_t* codes, const uint8_t* scales, int64_t in,
+                               int64_t r, const float* xp, const float* row_scale, float* y, int64_t out,
+                               int64_t ahead) {
+  const E2M1Decoder d = dec;
   const float* fp8 = fp8_table();
-  const __m256 magnitude = _mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
-  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
-  const __m256i sign = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  __m256 acc[R][G][2];
+  for (int q = 0; q < R; ++q)
+    for (int i = 0; i < G; ++i) acc[q][i][0] = acc[q][i][1] = _mm256_setzero_ps();
+  const uint8_t* c[R];
+  const uint8_t* s[R];
+  for (int q = 0; q < R; ++q) {
+    c[q] = codes + (r + q) * (in / 2);
+    s[q] = scales + (r + q) * (in / kGroup);
+  }
+  int64_t k = 0;
+  for (; k + 32 <= in; k += 32) {
+    __m256 v[R][4];
+    if ((k & 127) == 0)
+      for (int q = 0; q < R; ++q) {
+        _mm_prefetch(reinterpret_cast<const char*>(c[q] + k / 2 + ahead), _MM_HINT_T0);
+        if ((k & 1023) == 0) _mm_prefetch(reinterpret_cast<const char*>(s[q] + k / kGroup + ahead / 8), _MM_HINT_T0);
+      }
+    for (int q = 0; q < R; ++q) {
+      d(c[q] + k / 2, v[q]);
+      const __m256 s0 = block_scale(fp8, s[q], k / kGroup), s1 = block_scale(fp8, s[q], k / kGroup + 1);
+      v[q][0] = _mm256_mul_ps(v[q][0], s0);
+      v[q][1] = _mm256_mul_ps(v[q][1], s0);
+      v[q][2] = _mm256_mul_ps(v[q][2], s1);
+      v[q][3] = _mm256_mul_ps(v[q][3], s1);
+    }
+    for (int i = 0; i < G; ++i)
+      for (int j = 0; j < 4; ++j) {
+        const __m256 xv = _mm256_load_ps(xp + i * in + k + 8 * j);
+        for (int q = 0; q < R; ++q) acc[q][i][j & 1] = _mm256_fmadd_ps(v[q][j], xv, acc[q][i][j & 1]);
+      }
+  }
+  if (k < in) {  // a last block of 16
+    __m256 v[R][4];
+    for (int q = 0; q < R; ++q) {
+      d.operator()<true>(c[q] + k / 2, v[q]);
+      const __m256 s0 = block_scale(fp8, s[q], k / kGroup);
+      v[q][0] = _mm256_mul_ps(v[q][0], s0);
+      v[q][1] = _mm256_mul_ps(v[q][1], s0);
+    }
+    for (int i = 0; i < G; ++i)
+      for (int j = 0; j < 2; ++j) {
+        const __m256 xv = _mm256_load_ps(xp + i * in + k + 8 * j);
+        for (int q = 0; q < R; ++q) acc[q][i][j] = _mm256_fmadd_ps(v[q][j], xv, acc[q][i][j]);
+      }
+  }
+  for (int q = 0; q < R; ++q)
+    for (int i = 0; i < G; ++i) y[i * out + r + q] = reduce8(_mm256_add_ps(acc[q][i][0], acc[q][i][1])) * row_scale[r + q];
+}
+
+// Rows r .. r + rows - 1 as exact float32 in the decoder's order: tile [rows][in].
+HR_AVX2 void decode_rows(const E2M1Decoder& d, const uint8_t* codes, const uint8_t* scales, int64_t in, int64_t r,
+                         int64_t rows, float* tile) {
+  const float* fp8 = fp8_table();
   for (int64_t q = 0; q < rows; ++q) {
     const uint8_t* c = codes + (r + q) * (in / 2);
     const uint8_t* s = scales + (r + q) * (in / kGroup);
     float* t = tile + q * in;
-    for (int64_t k = 0; k < in; k += 8) {  // 4 bytes: nibble m is element k + m
-      int32_t word;
-      std::memcpy(&word, c + k / 2, 4);
-      const __m256i nib = _mm256_srlv_epi32(_mm256_set1_epi32(word), shifts);  // code in bits 0-3
-      const __m256 mag = _mm256_permutevar8x32_ps(magnitude, nib);             // uses bits 0-2
-      const __m256i sgn = _mm256_and_si256(_mm256_slli_epi32(nib, 28), sign);  // bit 3 -> bit 31
-      const __m256 v = _mm256_or_ps(mag, _mm256_castsi256_ps(sgn));
-      _mm256_storeu_ps(t + k, _mm256_mul_ps(v, _mm256_set1_ps(fp8[s[k / kGroup]])));
+    int64_t k = 0;
+    __m256 v[4];
+    for (; k + 32 <= in; k += 32) {
+      d(c + k / 2, v);
+      const __m256 s0 = block_scale(fp8, s, k / kGroup), s1 = block_scale(fp8, s, k / kGroup + 1);
+      _mm256_store_ps(t + k, _mm256_mul_ps(v[0], s0));
+      _mm256_store_ps(t + k + 8, _mm256_mul_ps(v[1], s0));
+      _mm256_store_ps(t + k + 16, _mm256_mul_ps(v[2], s1));
+      _mm256_store_ps(t + k + 24, _mm256_mul_ps(v[3], s1));
+    }
+    if (k < in) {
+      d.operator()<true>(c + k / 2, v);
+      const __m256 s0 = block_scale(fp8, s, k / kGroup);
+      _mm256_store_ps(t + k, _mm256_mul_ps(v[0], s0));
+      _mm256_store_ps(t + k + 8, _mm256_mul_ps(v[1], s0));
     }
   }
+}
+
+// Up to this many rows of x, each weight row is decoded in registers once per call; more rows
+// are worth a decoded tile in L1 that every group of x rows reads.
+constexpr int64_t kRegisterRowsMax = 4;
+
+template <int G>
+void nvfp4_registers(const E2M1Decoder& d, const float* xp, int64_t in, const uint8_t* codes, const uint8_t* scales,
+                     const float* row_scale, int64_t out, float* y) {
+  const int64_t ahead = prefetch_ahead_bytes();
+  at::parallel_for(0, out, grain_rows(in / 2 + in / kGroup), [&](int64_t r0, int64_t r1) {
+    int64_t r = r0;
+    if constexpr (G == 1)
+      for (; r + 2 <= r1; r += 2) rows_in_registers<2, 1>(d, codes, scales, in, r, xp, row_scale, y, out, ahead);
+    for (; r < r1; ++r) rows_in_registers<1, G>(d, codes, scales, in, r, xp, row_scale, y, out, ahead);
+  });
 }
 
 }  // namespace
@@ -130,22 +270,33 @@ void dense_linear_avx2(const float* x, int64_t n, int64_t in, const uint16_t* w,
 void nvfp4_linear_avx2(const float* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
                        const float* row_scale, int64_t out, float* y) {
   using T = Avx2Fma<float>;
-  const int64_t tile_rows = n <= 4 ? 4 : 16;
+  const E2M1Decoder d;
+  Aligned<float> permuted(n * in);
+  float* xp = permuted.data();
+  permute_x(x, n, in, xp);
+  switch (n <= kRegisterRowsMax ? n : 0) {
+    case 1: return nvfp4_registers<1>(d, xp, in, codes, scales, row_scale, out, y);
+    case 2: return nvfp4_registers<2>(d, xp, in, codes, scales, row_scale, out, y);
+    case 3: return nvfp4_registers<3>(d, xp, in, codes, scales, row_scale, out, y);
+    case 4: return nvfp4_registers<4>(d, xp, in, codes, scales, row_scale, out, y);
+    default: break;
+  }
+  const int64_t tile_rows = 16;
   const int64_t grain = (grain_rows(in / 2 + in / kGroup) + tile_rows - 1) / tile_rows * tile_rows;
   const int64_t pass = x_rows_per_pass(in * 4);
   at::parallel_for(0, out, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<float> tile(tile_rows * in);
+    Aligned<float> tile(tile_rows * in);
     for (int64_t r = r0; r < r1; r += tile_rows) {
       const int64_t rows = std::min(tile_rows, r1 - r);
-      decode_rows(codes, scales, in, r, rows, tile.data());
+      decode_rows(d, codes, scales, in, r, rows, tile.data());
       for (int64_t i0 = 0; i0 < n; i0 += pass) {
         const int64_t m = std::min(pass, n - i0);
         int64_t q = 0;
         for (; q + 2 <= rows; q += 2)
-          rows_times_x<T, 2, 3>(tile.data() + q * in, in, x + i0 * in, in, m, in, r + q, row_scale + r + q,
+          rows_times_x<T, 2, 3>(tile.data() + q * in, in, xp + i0 * in, in, m, in, r + q, row_scale + r + q,
                                 y + i0 * out, out);
         for (; q < rows; ++q)
-          rows_times_x<T, 1, 4>(tile.data() + q * in, in, x + i0 * in, in, m, in, r + q, row_scale + r + q,
+          rows_times_x<T, 1, 4>(tile.data() + q * in, in, xp + i0 * in, in, m, in, r + q, row_scale + r + q,
                                 y + i0 * out, out);
       }
     }
