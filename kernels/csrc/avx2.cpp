@@ -144,13 +144,16 @@ struct E2M1Decoder {
   }
 };
 
-// x [n, in] (float32) -> xp in the decoder's order, 32 elements at a time (a last 16 take the
-// first half of the pattern, which stays within them).
-void permute_x(const float* x, int64_t n, int64_t in, float* xp) {
+// x [n, in] (float32, or bf16 widened here) -> xp in the decoder's order, 32 elements at a time
+// (a last 16 take the first half of the pattern, which stays within them).
+inline float widen(float v) { return v; }
+inline float widen(uint16_t v) { return bf16_to_float(v); }
+template <typename X>
+void permute_x(const X* x, int64_t n, int64_t in, float* xp) {
   for (int64_t i = 0; i < n; ++i)
     for (int64_t k = 0; k < in; k += 32) {
       const int64_t m = std::min<int64_t>(32, in - k);
-      for (int64_t p = 0; p < m; ++p) xp[i * in + k + p] = x[i * in + k + kPerm[p]];
+      for (int64_t p = 0; p < m; ++p) xp[i * in + k + p] = widen(x[i * in + k + kPerm[p]]);
     }
 }
 
@@ -259,18 +262,9 @@ void nvfp4_registers(const E2M1Decoder& d, const float* xp, int64_t in, const ui
   });
 }
 
-}  // namespace
-
-void dense_linear_avx2(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y) {
-  dense_impl(x, n, in, w, out, y);
-}
-
-void dense_linear_avx2(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y) {
-  dense_impl(x, n, in, w, out, y);
-}
-
-void nvfp4_linear_avx2(const float* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
-                       const float* row_scale, int64_t out, float* y) {
+template <typename X>
+void nvfp4_impl(const X* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
+                const float* row_scale, int64_t out, float* y) {
   using T = Avx2Fma<float>;
   const E2M1Decoder d;
   Aligned<float> permuted(n * in);
@@ -303,6 +297,26 @@ void nvfp4_linear_avx2(const float* x, int64_t n, int64_t in, const uint8_t* cod
       }
     }
   });
+}
+
+}  // namespace
+
+void dense_linear_avx2(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y) {
+  dense_impl(x, n, in, w, out, y);
+}
+
+void dense_linear_avx2(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y) {
+  dense_impl(x, n, in, w, out, y);
+}
+
+void nvfp4_linear_avx2(const float* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
+                       const float* row_scale, int64_t out, float* y) {
+  nvfp4_impl(x, n, in, codes, scales, row_scale, out, y);
+}
+
+void nvfp4_linear_avx2(const uint16_t* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
+                       const float* row_scale, int64_t out, float* y) {
+  nvfp4_impl(x, n, in, codes, scales, row_scale, out, y);
 }
 
 }  // namespace hetero_run_cpu

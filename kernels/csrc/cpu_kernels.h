@@ -196,8 +196,11 @@ void nvfp4_linear_portable(const float* x, int64_t n, int64_t in, const uint8_t*
 void dense_linear_portable(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y);
 void dense_linear_portable(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y);
 
-// avx2.cpp: 256-bit FMA on float32 x (bf16 weights widened exactly).
+// avx2.cpp: 256-bit FMA on float32 x (bf16 weights widened exactly; NVFP4 takes bf16 x too,
+// widened as it permutes it).
 void nvfp4_linear_avx2(const float* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
+                       const float* row_scale, int64_t out, float* y);
+void nvfp4_linear_avx2(const uint16_t* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
                        const float* row_scale, int64_t out, float* y);
 void dense_linear_avx2(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y);
 void dense_linear_avx2(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y);

@@ -95,6 +95,8 @@ void nvfp4_run(Isa isa, const at::Tensor& x_in, const uint8_t* cd, const uint8_t
   if (isa == kAmx) return nvfp4_linear_amx(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, cd, sd, rs, out, yd);
   if (isa == kAvx512Bf16)
     return nvfp4_linear_avx512_bf16(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, cd, sd, rs, out, yd);
+  if (isa == kAvx2 && x_in.scalar_type() == at::kBFloat16)
+    return nvfp4_linear_avx2(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, cd, sd, rs, out, yd);
 #endif
   const at::Tensor x = x_in.scalar_type() == at::kBFloat16 ? x_in.to(at::kFloat) : x_in;
   const float* xd = x.data_ptr<float>();
