@@ -147,6 +147,22 @@ HR_AVX512 void round_bf16_in_place_avx512(float* y, int64_t count) {
     _mm512_mask_storeu_ps(y + e, m, through_bf16(_mm512_maskz_loadu_ps(m, y + e)));
   }
 }
+
+HR_AVX2 void round_bf16_avx2(const float* y, int64_t count, uint16_t* out) {
+  int64_t e = 0;
+  for (; e + 8 <= count; e += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + e), round_bf16x8(_mm256_loadu_ps(y + e)));
+  for (; e < count; ++e) out[e] = round_bf16(y[e]);
+}
+
+HR_AVX2 void round_bf16_in_place_avx2(float* y, int64_t count) {
+  int64_t e = 0;
+  for (; e + 8 <= count; e += 8) _mm256_storeu_ps(y + e, through_bf16x8(_mm256_loadu_ps(y + e)));
+  for (; e < count; ++e) {
+    const uint32_t wide = static_cast<uint32_t>(round_bf16(y[e])) << 16;
+    std::memcpy(y + e, &wide, sizeof(wide));
+  }
+}
 #endif
 
 // y float32 -> a new bf16 tensor of the same shape (round_bf16's bits, element by element).
@@ -155,11 +171,12 @@ at::Tensor to_bf16(const at::Tensor& y) {
   const float* yd = y.data_ptr<float>();
   auto* od = reinterpret_cast<uint16_t*>(out.data_ptr());
 #if HR_X86
-  const bool vec = has_avx512();
+  const bool vec = has_avx512(), vec8 = has_avx2();
 #endif
   at::parallel_for(0, y.numel(), 1 << 16, [&](int64_t e0, int64_t e1) {
 #if HR_X86
     if (vec) return round_bf16_avx512(yd + e0, e1 - e0, od + e0);
+    if (vec8) return round_bf16_avx2(yd + e0, e1 - e0, od + e0);
 #endif
     for (int64_t e = e0; e < e1; ++e) od[e] = round_bf16(yd[e]);
   });
@@ -173,11 +190,12 @@ at::Tensor& round_bf16_(at::Tensor& y) {
   HR_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous(), "y must be contiguous float32");
   float* yd = y.data_ptr<float>();
 #if HR_X86
-  const bool vec = has_avx512();
+  const bool vec = has_avx512(), vec8 = has_avx2();
 #endif
   at::parallel_for(0, y.numel(), 1 << 16, [&](int64_t e0, int64_t e1) {
 #if HR_X86
     if (vec) return round_bf16_in_place_avx512(yd + e0, e1 - e0);
+    if (vec8) return round_bf16_in_place_avx2(yd + e0, e1 - e0);
 #endif
     for (int64_t e = e0; e < e1; ++e) {
       const uint32_t wide = static_cast<uint32_t>(round_bf16(yd[e])) << 16;

@@ -53,6 +53,14 @@ def row_ops(request, monkeypatch):
 
 
 @pytest.fixture(params=WIDTHS)
+def width(request):
+    """The compiled element-wise loops (rounding to bf16) at each vector width this CPU runs."""
+    lib = compiled_ops()
+    with capped_width(lib, request.param):
+        yield request.param
+
+
+@pytest.fixture(params=WIDTHS)
 def step_width(request):
     """The compiled drafter step at each vector width this CPU runs (the others skipped)."""
     lib = compiled_ops()
