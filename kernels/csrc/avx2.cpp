@@ -142,23 +142,32 @@ struct E2M1Decoder {
       v[3] = _mm256_castsi256_ps(_mm256_and_si256(w1, top));
     }
   }
+  // Weights k .. k + 31 (k + 15, `half`) of the row with codes c and block scales s, times their
+  // blocks' fp8 scales (fp8: fp8_table()).
+  template <bool half = false>
+  HR_AVX2 inline void scaled(const float* fp8, const uint8_t* c, const uint8_t* s, int64_t k, __m256* v) const {
+    operator()<half>(c + k / 2, v);
+    const __m256 s0 = _mm256_broadcast_ss(fp8 + s[k / kGroup]);
+    v[0] = _mm256_mul_ps(v[0], s0);
+    v[1] = _mm256_mul_ps(v[1], s0);
+    if (!half) {
+      const __m256 s1 = _mm256_broadcast_ss(fp8 + s[k / kGroup + 1]);
+      v[2] = _mm256_mul_ps(v[2], s1);
+      v[3] = _mm256_mul_ps(v[3], s1);
+    }
+  }
 };
 
 // x [n, in] (float32, or bf16 widened here) -> xp in the decoder's order, 32 elements at a time
 // (a last 16 take the first half of the pattern, which stays within them).
-inline float widen(float v) { return v; }
-inline float widen(uint16_t v) { return bf16_to_float(v); }
 template <typename X>
 void permute_x(const X* x, int64_t n, int64_t in, float* xp) {
   for (int64_t i = 0; i < n; ++i)
     for (int64_t k = 0; k < in; k += 32) {
       const int64_t m = std::min<int64_t>(32, in - k);
-      for (int64_t p = 0; p < m; ++p) xp[i * in + k + p] = widen(x[i * in + k + kPerm[p]]);
+      for (int64_t p = 0; p < m; ++p) xp[i * in + k + p] = to_float(x[i * in + k + kPerm[p]]);
     }
 }
-
-// Weight row r's 16-weight block b: its fp8 scale.
-HR_AVX2 inline __m256 block_scale(const float* fp8, const uint8_t* s, int64_t b) { return _mm256_broadcast_ss(fp8 + s[b]); }
 
 // Weight rows r .. r + R - 1 times G rows of permuted x, decoded in registers (R * G * 2
 // accumulators; the same sums, in the same order, as rows_times_x over decode_rows' tile). Each
@@ -187,14 +196,7 @@ HR_AVX2 void rows_in_registers(const E2M1Decoder& dec, const uint8_t* codes, con
         _mm_prefetch(reinterpret_cast<const char*>(c[q] + k / 2 + ahead), _MM_HINT_T0);
         if ((k & 1023) == 0) _mm_prefetch(reinterpret_cast<const char*>(s[q] + k / kGroup + ahead / 8), _MM_HINT_T0);
       }
-    for (int q = 0; q < R; ++q) {
-      d(c[q] + k / 2, v[q]);
-      const __m256 s0 = block_scale(fp8, s[q], k / kGroup), s1 = block_scale(fp8, s[q], k / kGroup + 1);
-      v[q][0] = _mm256_mul_ps(v[q][0], s0);
-      v[q][1] = _mm256_mul_ps(v[q][1], s0);
-      v[q][2] = _mm256_mul_ps(v[q][2], s1);
-      v[q][3] = _mm256_mul_ps(v[q][3], s1);
-    }
+    for (int q = 0; q < R; ++q) d.scaled(fp8, c[q], s[q], k, v[q]);
     for (int i = 0; i < G; ++i)
       for (int j = 0; j < 4; ++j) {
         const __m256 xv = _mm256_load_ps(xp + i * in + k + 8 * j);
@@ -203,12 +205,7 @@ HR_AVX2 void rows_in_registers(const E2M1Decoder& dec, const uint8_t* codes, con
   }
   if (k < in) {  // a last block of 16
     __m256 v[R][4];
-    for (int q = 0; q < R; ++q) {
-      d.operator()<true>(c[q] + k / 2, v[q]);
-      const __m256 s0 = block_scale(fp8, s[q], k / kGroup);
-      v[q][0] = _mm256_mul_ps(v[q][0], s0);
-      v[q][1] = _mm256_mul_ps(v[q][1], s0);
-    }
+    for (int q = 0; q < R; ++q) d.scaled<true>(fp8, c[q], s[q], k, v[q]);
     for (int i = 0; i < G; ++i)
       for (int j = 0; j < 2; ++j) {
         const __m256 xv = _mm256_load_ps(xp + i * in + k + 8 * j);
@@ -230,18 +227,12 @@ HR_AVX2 void decode_rows(const E2M1Decoder& d, const uint8_t* codes, const uint8
     int64_t k = 0;
     __m256 v[4];
     for (; k + 32 <= in; k += 32) {
-      d(c + k / 2, v);
-      const __m256 s0 = block_scale(fp8, s, k / kGroup), s1 = block_scale(fp8, s, k / kGroup + 1);
-      _mm256_store_ps(t + k, _mm256_mul_ps(v[0], s0));
-      _mm256_store_ps(t + k + 8, _mm256_mul_ps(v[1], s0));
-      _mm256_store_ps(t + k + 16, _mm256_mul_ps(v[2], s1));
-      _mm256_store_ps(t + k + 24, _mm256_mul_ps(v[3], s1));
+      d.scaled(fp8, c, s, k, v);
+      for (int j = 0; j < 4; ++j) _mm256_store_ps(t + k + 8 * j, v[j]);
     }
     if (k < in) {
-      d.operator()<true>(c + k / 2, v);
-      const __m256 s0 = block_scale(fp8, s, k / kGroup);
-      _mm256_store_ps(t + k, _mm256_mul_ps(v[0], s0));
-      _mm256_store_ps(t + k + 8, _mm256_mul_ps(v[1], s0));
+      d.scaled<true>(fp8, c, s, k, v);
+      for (int j = 0; j < 2; ++j) _mm256_store_ps(t + k + 8 * j, v[j]);
     }
   }
 }

@@ -98,6 +98,13 @@ inline uint16_t round_bf16(float v) {
   return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
+// An element of float32 or bf16 storage read as float32 (exact) and written from it (bf16 by
+// round_bf16), for code templated on the storage type.
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t h) { return bf16_to_float(h); }
+inline void store(float* p, float v) { *p = v; }
+inline void store(uint16_t* p, float v) { *p = round_bf16(v); }
+
 #if HR_X86
 HR_AVX512 inline __m256i round_bf16x16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);

@@ -49,10 +49,6 @@
 namespace hetero_run_cpu {
 namespace {
 
-inline float to_float(float v) { return v; }
-inline float to_float(uint16_t h) { return bf16_to_float(h); }
-inline void store(float* p, float v) { *p = v; }
-inline void store(uint16_t* p, float v) { *p = round_bf16(v); }
 
 // ---------------------------------------------------------------- portable loops
 

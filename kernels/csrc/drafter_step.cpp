@@ -82,24 +82,8 @@ int vector_width() {
   return 0;
 }
 
-inline float widen(float v) { return v; }
-inline float widen(uint16_t h) {
-  const uint32_t bits = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline void narrow(float v, float* p) { *p = v; }
-inline void narrow(float v, uint16_t* p) {  // round to nearest even, as torch does
-  uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x7fffffu)) {
-    *p = static_cast<uint16_t>((bits >> 16) | 0x40);
-    return;
-  }
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  *p = static_cast<uint16_t>(bits >> 16);
-}
+using hetero_run_cpu::store;
+using hetero_run_cpu::to_float;
 
 // ---------------------------------------------------------------- small row operations
 
@@ -247,7 +231,7 @@ void attend_scalar(const float* q, int64_t group, const T* K, const T* V, int64_
     for (int64_t j = 0; j < keys; ++j) {
       if (valid && !valid[j]) continue;
       float acc = 0.f;
-      for (int64_t e = 0; e < d; ++e) acc += q[g * d + e] * widen(K[j * d + e]);
+      for (int64_t e = 0; e < d; ++e) acc += q[g * d + e] * to_float(K[j * d + e]);
       s[j] = acc;
       top = std::max(top, acc);
     }
@@ -257,7 +241,7 @@ void attend_scalar(const float* q, int64_t group, const T* K, const T* V, int64_
       if (valid && !valid[j]) continue;
       const float p = std::exp(s[j] - top);
       total += p;
-      for (int64_t e = 0; e < d; ++e) out[g * d + e] += p * widen(V[j * d + e]);
+      for (int64_t e = 0; e < d; ++e) out[g * d + e] += p * to_float(V[j * d + e]);
     }
     for (int64_t e = 0; e < d; ++e) out[g * d + e] /= total;
   }
@@ -399,7 +383,7 @@ void attend(const float* q, int64_t group, const T* K, const T* V, int64_t keys,
 // ---------------------------------------------------------------- the step's threads
 
 #if DS_X86
-// float32 -> bf16 bits, 16 at a time, with narrow()'s rounding (to nearest even; NaN stays NaN)
+// float32 -> bf16 bits, 16 at a time, with round_bf16's rounding (to nearest even; NaN stays NaN)
 DS_AVX512 void to_bf16_avx512(const float* x, int64_t count, uint16_t* out) {
   const __m512i exp_mask = _mm512_set1_epi32(0x7f800000), man_mask = _mm512_set1_epi32(0x7fffff);
   for (int64_t e = 0; e < count; e += 16) {
@@ -418,7 +402,7 @@ DS_AVX2 void to_bf16_avx2(const float* x, int64_t count, uint16_t* out) {
   int64_t e = 0;
   for (; e + 8 <= count; e += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + e), hetero_run_cpu::round_bf16x8(_mm256_loadu_ps(x + e)));
-  for (; e < count; ++e) narrow(x[e], out + e);  // the same rounding, one at a time
+  for (; e < count; ++e) store(out + e, x[e]);  // the same rounding, one at a time
 }
 #endif
 
@@ -428,7 +412,7 @@ void to_bf16(const float* x, int64_t count, uint16_t* out) {
   if (width == 16) return to_bf16_avx512(x, count, out);
   if (width == 8) return to_bf16_avx2(x, count, out);
 #endif
-  for (int64_t e = 0; e < count; ++e) narrow(x[e], out + e);
+  for (int64_t e = 0; e < count; ++e) store(out + e, x[e]);
 }
 
 // h[r, a + j] += y[r, j] for the rows of a product's share [a, b) (y [n, b - a])
@@ -767,7 +751,7 @@ struct DraftStep : torch::CustomClassHolder {
     } else {
       const uint16_t* e = reinterpret_cast<const uint16_t*>(embed.data_ptr());
       for (int64_t r = 0; r < n; ++r)
-        for (int64_t c = 0; c < hidden; ++c) hd[r * hidden + c] = widen(e[id[r] * hidden + c]);
+        for (int64_t c = 0; c < hidden; ++c) hd[r * hidden + c] = to_float(e[id[r] * hidden + c]);
     }
     int64_t widest_out = out_head.out;
     for (const Layer& ly : L)
@@ -858,8 +842,8 @@ struct DraftStep : torch::CustomClassHolder {
             const float* kr = row + (heads + g) * d;
             const float* vr = row + (heads + kv_heads + g) * d;
             for (int64_t e = 0; e < d; ++e) {
-              narrow(kr[e], kc + at_ + e);
-              narrow(vr[e], vc + at_ + e);
+              store(kc + at_ + e, kr[e]);
+              store(vc + at_ + e, vr[e]);
             }
           }
         });
