@@ -104,30 +104,42 @@ HR_AVX2 void dense_block(const typename T::W* w, int64_t ldw, const float* x, in
     }
 }
 
-// x rows in groups of G (the last group smaller) against one block of R weight rows.
+// One block of R weight rows against n rows of x in groups of at most G, as even as they come
+// (7 rows at most 4: 4 + 3, not 4 + 3 x 1): a block keeps R * size accumulation chains, and the
+// FMA's 4-cycle latency leaves a block of fewer than 8 waiting (the 3 x 1 block of 5 rows as
+// 4 + 1 cost about as much as the 3 x 4 one).
 template <typename T, int R, int G>
 void block_times_x(const typename T::W* w, int64_t ldw, const float* x, int64_t ldx, int64_t n, int64_t len,
                    const float* scale, float* y, int64_t ldy) {
-  int64_t i = 0;
-  for (; i + G <= n; i += G) dense_block<T, R, G>(w, ldw, x + i * ldx, ldx, len, scale, y + i * ldy, ldy);
-  if constexpr (G > 1) {
-    if (i < n) block_times_x<T, R, G - 1>(w, ldw, x + i * ldx, ldx, n - i, len, scale, y + i * ldy, ldy);
+  const int64_t groups = (n + G - 1) / G, base = n / groups, larger = n % groups;
+  for (int64_t g = 0, i = 0; g < groups; ++g) {
+    const int64_t size = base + (g < larger ? 1 : 0);
+    const float* xi = x + i * ldx;
+    float* yi = y + i * ldy;
+    if constexpr (G >= 4) if (size == 4) dense_block<T, R, 4>(w, ldw, xi, ldx, len, scale, yi, ldy);
+    if constexpr (G >= 5) if (size == 5) dense_block<T, R, 5>(w, ldw, xi, ldx, len, scale, yi, ldy);
+    if constexpr (G >= 3) if (size == 3) dense_block<T, R, 3>(w, ldw, xi, ldx, len, scale, yi, ldy);
+    if (size == 2) dense_block<T, R, 2>(w, ldw, xi, ldx, len, scale, yi, ldy);
+    if (size == 1) dense_block<T, R, 1>(w, ldw, xi, ldx, len, scale, yi, ldy);
+    i += size;
   }
 }
 
-// Blocks of R weight rows (the last rows one at a time) against groups of G rows of x.
+// Blocks of R weight rows (the last rows one at a time) against groups of up to G rows of x.
 template <typename T, int R, int G>
 void rows_in_blocks(const typename T::W* w, int64_t ldw, const float* x, int64_t ldx, int64_t n, int64_t len,
                     int64_t rows, const float* scale, float* y, int64_t ldy) {
   int64_t r = 0;
-  for (; r + R <= rows; r += R) block_times_x<T, R, G>(w + r * ldw, ldw, x, ldx, n, len, scale ? scale + r : nullptr, y + r, ldy);
-  for (; r < rows; ++r) block_times_x<T, 1, G>(w + r * ldw, ldw, x, ldx, n, len, scale ? scale + r : nullptr, y + r, ldy);
+  for (; r + R <= rows; r += R)
+    block_times_x<T, R, G>(w + r * ldw, ldw, x, ldx, n, len, scale ? scale + r : nullptr, y + r, ldy);
+  for (; r < rows; ++r)
+    block_times_x<T, 1, G>(w + r * ldw, ldw, x, ldx, n, len, scale ? scale + r : nullptr, y + r, ldy);
 }
 
 // `rows` weight rows (row q at w + q * ldw, its scale scale[q]) times n rows of x (y[i * ldy + q]).
 // One row of x reads one weight row at a time (one stream: the bf16 lm_head from memory 9.3 ms
 // against 10.7 in blocks of 4, on a Zen 3 core); 2-4 rows blocks of 4 x 2, 3 x 3 and 2 x 4;
-// more, blocks of 3 weight rows against groups of T::kGroup.
+// more, blocks of 3 weight rows against groups of up to T::kGroup.
 template <typename T>
 void rows_times_x(const typename T::W* w, int64_t ldw, const float* x, int64_t ldx, int64_t n, int64_t len,
                   int64_t rows, const float* scale, float* y, int64_t ldy) {
@@ -312,13 +324,16 @@ HR_AVX2 void decode_rows(const E2M1Decoder& d, const uint8_t* codes, const uint8
   }
 }
 
-// Up to this many rows of x, each weight row is decoded in registers once per call; more rows
-// are worth a decoded tile that every group of x rows reads.
-constexpr int64_t kRegisterRowsMax = 4;
+// Up to this many rows of x, each weight row is decoded in registers once per call, its decode
+// overlapping the FMAs; more rows are worth a decoded tile that every group of x rows reads
+// (the one step's NVFP4 products of the real target at 5 rows, on a Zen 3 core pair: 31.6 ms in
+// registers, 40.4 through the tile; at 8 rows 51.4 against 49.1).
+constexpr int64_t kRegisterRowsMax = 6;
 
 // Weight rows in blocks of R (the last ones one at a time) against G rows of x in registers:
 // R * G accumulation chains of 4 dependent FMAs per 32 weights, so one row of x takes 4 weight
-// rows at a time (one row's 4-cycle FMAs would wait on each other), 2-4 rows two.
+// rows at a time (one row's 4-cycle FMAs would wait on each other), 2-5 rows two, 6 one (its
+// 6 accumulators, 4 decoded vectors and the decoder's tables fill the 16 registers).
 template <int R, int G>
 void nvfp4_registers(const E2M1Decoder& d, const float* xp, int64_t in, const uint8_t* codes, const uint8_t* scales,
                      const float* row_scale, int64_t out, float* y) {
@@ -342,6 +357,8 @@ void nvfp4_impl(const X* x, int64_t n, int64_t in, const uint8_t* codes, const u
     case 2: return nvfp4_registers<2, 2>(d, xp, in, codes, scales, row_scale, out, y);
     case 3: return nvfp4_registers<2, 3>(d, xp, in, codes, scales, row_scale, out, y);
     case 4: return nvfp4_registers<2, 4>(d, xp, in, codes, scales, row_scale, out, y);
+    case 5: return nvfp4_registers<2, 5>(d, xp, in, codes, scales, row_scale, out, y);
+    case 6: return nvfp4_registers<1, 6>(d, xp, in, codes, scales, row_scale, out, y);
     default: break;
   }
   // 3 weight rows decoded at a time into a tile (in L1 for rows of up to ~2500 weights), then
