@@ -13,7 +13,7 @@ from hetero_run.kernels.dense_linear import dense_linear
 from hetero_run.kernels.nvfp4_linear import nvfp4_linear
 
 FALLBACK_ROWS = (2, 3, 8, 9, 16, 17, 25, VERIFY_MAX_ROWS)
-COMPILED_ROWS = (2, 3, 4, 5, 8, 9, 16, 17, 25, VERIFY_MAX_ROWS, 33, 64, 130)
+COMPILED_ROWS = (2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 25, VERIFY_MAX_ROWS, 33, 64, 130)
 # in % 32 == 0 and not (NVFP4 needs in % 16 == 0); 1040 inputs: x no longer fits in half of L1
 # from a few rows on, and the dense kernel reads weight rows four at a time (26: and one by one);
 # 75 x 896: up to 16 rows of x staged against pairs of weight rows, each thread's range of odd
@@ -62,9 +62,9 @@ def _skip_amx_unless_tiles_fit(isa, in_features: int) -> None:
 
 @pytest.mark.parametrize("inp", [256, 896, 4864, 80, 448])
 def test_each_compiled_path_is_batch_invariant(isa, inp):
-    """Every path the CPU runs, forced, at every row count (1-4 rows decode in registers, more
-    through tiles in one, two or three groups per weight pass, prefill-sized in several passes):
-    the same bits as each row alone."""
+    """Every path the CPU runs, forced, at every row count (few rows decode in registers: up to 4
+    with AVX-512, 6 with AVX2; more through tiles in one, two or three groups per weight pass,
+    prefill-sized in several passes): the same bits as each row alone."""
     _skip_amx_unless_tiles_fit(isa, inp)
     lib = cpu_ext.ops()
     g = torch.Generator().manual_seed(inp)
@@ -75,7 +75,7 @@ def test_each_compiled_path_is_batch_invariant(isa, inp):
     for dtype in [torch.bfloat16] if isa.bf16_only else [torch.bfloat16, torch.float32]:
         x = torch.randn(70, inp, generator=g).to(dtype)
         wd = w.to(dtype)
-        for n in (2, 4, 5, 17, 24, 40, 70):
+        for n in (2, 4, 5, 6, 7, 17, 24, 40, 70):
             rows = x[:n]
             assert _row_by_row_equal(lambda r: lib.nvfp4_linear(r, q.codes, scales, row_scale, isa.path), rows) == []
             assert _row_by_row_equal(lambda r, wd=wd: lib.dense_linear(r, wd, isa.path), rows) == []
