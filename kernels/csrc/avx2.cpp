@@ -1,7 +1,7 @@
 // x @ W.T with AVX2 + FMA (CPUs without AVX-512): float32 x, 256-bit FMA, fp32 sums.
 // Dense bf16 weights widen exactly. NVFP4 weights decode to exact float32 (E2M1 by byte lookups,
 // times the fp8 block scale: at most 6 significant bits) in an order x is permuted to match:
-// for up to 4 rows of x in registers, against each row as it is decoded; for more, into a tile
+// for up to 6 rows of x in registers, against each row as it is decoded; for more, into a tile
 // that every group of x rows reads. Every (weight row, x row) sum runs in one accumulator in one
 // order, so the bits do not depend on n. bf16 x arrives widened.
 #include "cpu_kernels.h"
@@ -117,7 +117,6 @@ void block_times_x(const typename T::W* w, int64_t ldw, const float* x, int64_t 
     const float* xi = x + i * ldx;
     float* yi = y + i * ldy;
     if constexpr (G >= 4) if (size == 4) dense_block<T, R, 4>(w, ldw, xi, ldx, len, scale, yi, ldy);
-    if constexpr (G >= 5) if (size == 5) dense_block<T, R, 5>(w, ldw, xi, ldx, len, scale, yi, ldy);
     if constexpr (G >= 3) if (size == 3) dense_block<T, R, 3>(w, ldw, xi, ldx, len, scale, yi, ldy);
     if (size == 2) dense_block<T, R, 2>(w, ldw, xi, ldx, len, scale, yi, ldy);
     if (size == 1) dense_block<T, R, 1>(w, ldw, xi, ldx, len, scale, yi, ldy);
