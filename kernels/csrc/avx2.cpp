@@ -165,8 +165,8 @@ void permute_steps(const X* x, int64_t n, int64_t in, int64_t ld, float* xp) {
 
 inline int64_t whole_steps(int64_t in) { return (in + kStep - 1) / kStep * kStep; }
 
-template <typename Wt>
-void dense_impl(const float* x, int64_t n, int64_t in, const Wt* w, int64_t out, float* y) {
+template <typename X, typename Wt>
+void dense_impl(const X* x, int64_t n, int64_t in, const Wt* w, int64_t out, float* y) {
   using T = std::conditional_t<std::is_same_v<Wt, float>, Fp32Weights, Bf16Weights>;
   const int64_t ld = whole_steps(in);
   Aligned<float> permuted(n * ld);
@@ -385,6 +385,10 @@ void dense_linear_avx2(const float* x, int64_t n, int64_t in, const float* w, in
 }
 
 void dense_linear_avx2(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y) {
+  dense_impl(x, n, in, w, out, y);
+}
+
+void dense_linear_avx2(const uint16_t* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y) {
   dense_impl(x, n, in, w, out, y);
 }
 

@@ -105,6 +105,10 @@ inline float to_float(uint16_t h) { return bf16_to_float(h); }
 inline void store(float* p, float v) { *p = v; }
 inline void store(uint16_t* p, float v) { *p = round_bf16(v); }
 
+// count floats -> bf16 bits (round_bf16's), at the widest vector width allowed (cpu_linear.cpp),
+// on the calling thread.
+void round_bf16_row(const float* y, int64_t count, uint16_t* out);
+
 #if HR_X86
 HR_AVX512 inline __m256i round_bf16x16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
@@ -203,14 +207,15 @@ void nvfp4_linear_portable(const float* x, int64_t n, int64_t in, const uint8_t*
 void dense_linear_portable(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y);
 void dense_linear_portable(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y);
 
-// avx2.cpp: 256-bit FMA on float32 x (bf16 weights widened exactly; NVFP4 takes bf16 x too,
-// widened as it permutes it).
+// avx2.cpp: 256-bit FMA on float32 x (bf16 weights widened exactly; bf16 x, for NVFP4 and for
+// bf16 weights, widened as it is permuted).
 void nvfp4_linear_avx2(const float* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
                        const float* row_scale, int64_t out, float* y);
 void nvfp4_linear_avx2(const uint16_t* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
                        const float* row_scale, int64_t out, float* y);
 void dense_linear_avx2(const float* x, int64_t n, int64_t in, const float* w, int64_t out, float* y);
 void dense_linear_avx2(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y);
+void dense_linear_avx2(const uint16_t* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y);
 
 // nvfp4_avx512.cpp: E2M1 decoded by a vpermw table (unscaled, one block per lane), then
 // vdpbf16ps on bf16 x (AVX512-BF16) or FMA on float32 x (AVX-512F, weights widened exactly),

@@ -115,6 +115,8 @@ void dense_run(Isa isa, const at::Tensor& x_in, const at::Tensor& w, int64_t r0,
   if (isa == kAmx) return dense_linear_amx(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, wb, out, yd);
   if (isa == kAvx512Bf16)
     return dense_linear_avx512_bf16(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, wb, out, yd);
+  if (isa == kAvx2 && x_in.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16)
+    return dense_linear_avx2(reinterpret_cast<const uint16_t*>(x_in.data_ptr()), n, in, wb, out, yd);
 #endif
   const at::Tensor x = x_in.scalar_type() == at::kBFloat16 ? x_in.to(at::kFloat) : x_in;
   const float* xd = x.data_ptr<float>();
@@ -170,16 +172,7 @@ at::Tensor to_bf16(const at::Tensor& y) {
   at::Tensor out = at::empty(y.sizes(), y.options().dtype(at::kBFloat16));
   const float* yd = y.data_ptr<float>();
   auto* od = reinterpret_cast<uint16_t*>(out.data_ptr());
-#if HR_X86
-  const bool vec = has_avx512(), vec8 = has_avx2();
-#endif
-  at::parallel_for(0, y.numel(), 1 << 16, [&](int64_t e0, int64_t e1) {
-#if HR_X86
-    if (vec) return round_bf16_avx512(yd + e0, e1 - e0, od + e0);
-    if (vec8) return round_bf16_avx2(yd + e0, e1 - e0, od + e0);
-#endif
-    for (int64_t e = e0; e < e1; ++e) od[e] = round_bf16(yd[e]);
-  });
+  at::parallel_for(0, y.numel(), 1 << 16, [&](int64_t e0, int64_t e1) { round_bf16_row(yd + e0, e1 - e0, od + e0); });
   return out;
 }
 
@@ -284,6 +277,14 @@ void force_dense_streaming(int64_t mode) {
 }
 
 }  // namespace
+
+void round_bf16_row(const float* y, int64_t count, uint16_t* out) {
+#if HR_X86
+  if (has_avx512()) return round_bf16_avx512(y, count, out);
+  if (has_avx2()) return round_bf16_avx2(y, count, out);
+#endif
+  for (int64_t e = 0; e < count; ++e) out[e] = round_bf16(y[e]);
+}
 
 void nvfp4_linear_rows(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                        const at::Tensor& row_scale, int64_t r0, int64_t r1, float* y, int64_t path) {

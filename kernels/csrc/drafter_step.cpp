@@ -382,38 +382,8 @@ void attend(const float* q, int64_t group, const T* K, const T* V, int64_t keys,
 
 // ---------------------------------------------------------------- the step's threads
 
-#if DS_X86
-// float32 -> bf16 bits, 16 at a time, with round_bf16's rounding (to nearest even; NaN stays NaN)
-DS_AVX512 void to_bf16_avx512(const float* x, int64_t count, uint16_t* out) {
-  const __m512i exp_mask = _mm512_set1_epi32(0x7f800000), man_mask = _mm512_set1_epi32(0x7fffff);
-  for (int64_t e = 0; e < count; e += 16) {
-    const __mmask16 m = tail_mask(count - e);
-    const __m512i bits = _mm512_maskz_loadu_epi32(m, x + e);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpeq_epi32_mask(_mm512_and_si512(bits, exp_mask), exp_mask) &
-                          _mm512_test_epi32_mask(bits, man_mask);
-    r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
-    _mm256_mask_storeu_epi16(out + e, m, _mm512_cvtepi32_epi16(r));
-  }
-}
-
-DS_AVX2 void to_bf16_avx2(const float* x, int64_t count, uint16_t* out) {
-  int64_t e = 0;
-  for (; e + 8 <= count; e += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + e), hetero_run_cpu::round_bf16x8(_mm256_loadu_ps(x + e)));
-  for (; e < count; ++e) store(out + e, x[e]);  // the same rounding, one at a time
-}
-#endif
-
-void to_bf16(const float* x, int64_t count, uint16_t* out) {
-#if DS_X86
-  const int width = vector_width();
-  if (width == 16) return to_bf16_avx512(x, count, out);
-  if (width == 8) return to_bf16_avx2(x, count, out);
-#endif
-  for (int64_t e = 0; e < count; ++e) store(out + e, x[e]);
-}
+// float32 -> bf16 bits, as the linear ops round their output
+void to_bf16(const float* x, int64_t count, uint16_t* out) { hetero_run_cpu::round_bf16_row(x, count, out); }
 
 // h[r, a + j] += y[r, j] for the rows of a product's share [a, b) (y [n, b - a])
 void add_into(float* h, int64_t hidden, const float* y, int64_t n, int64_t a, int64_t b) {
