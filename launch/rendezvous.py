@@ -27,7 +27,9 @@ class Deadline:
     then prints the message on our stderr and kills us. Leaving the block in time kills it.
     """
 
-    _SENTINEL = 'sleep "$1"; kill -0 "$2" 2>/dev/null || exit 0; printf "%s\\n" "$3" >&2; kill -9 "$2"'
+    # SIGPIPE ignored: once mpirun has gone (it returns as soon as one rank fails, with
+    # --enable-recovery) our stderr has no reader, and the message must not stop the kill.
+    _SENTINEL = 'trap "" PIPE; sleep "$1"; kill -0 "$2" 2>/dev/null || exit 0; printf "%s\\n" "$3" >&2; kill -9 "$2"'
 
     def __init__(self, seconds: float, message: str):
         self.seconds = seconds

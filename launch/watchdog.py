@@ -19,6 +19,7 @@ import os
 import re
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import NoReturn
@@ -29,6 +30,7 @@ log = get_logger(__name__)
 
 ALIVE, STOP, ABORT = 0, 1, 2
 ABORT_GRACE_S = 5.0  # for a rank's own unwinding to reach stop() after a peer aborted
+_SIGNAL_POLL_S = 0.05  # how often a rank waiting out that grace looks for a signal of its own
 
 # Set by the signal watcher as soon as SIGINT/SIGTERM arrives, even while the main thread is
 # blocked in C and cannot run its Python handler yet; `signal_number` is the signal's number.
@@ -117,14 +119,18 @@ class Heartbeat:
             self._end(f"{self.peers[lost.rank]} {lost.reason}; ending the job")
 
     def _peer_aborted(self, rank: int) -> None:
+        """The peer left after an error or a signal. This rank's own unwinding may still stop the
+        heartbeat; a signal of its own (often the same SIGTERM, arriving a moment later) ends it
+        at once; otherwise it ends after `ABORT_GRACE_S`."""
         self._departed.add(rank)
-        if self._stop.is_set():
-            return
-        if signal_seen.is_set():
-            exit_now(f"waiting on {self.peers[rank]}, which left after the same signal; exiting",
-                     code=128 + signal_number)
-        if not self._stop.wait(ABORT_GRACE_S):
-            self._end(f"{self.peers[rank]} left the job after an error or a signal; ending the job")
+        end = time.monotonic() + ABORT_GRACE_S
+        while not self._stop.is_set():
+            if signal_seen.is_set():
+                exit_now(f"waiting on {self.peers[rank]}, which left after the same signal; exiting",
+                         code=128 + signal_number)
+            if time.monotonic() >= end:
+                self._end(f"{self.peers[rank]} left the job after an error or a signal; ending the job")
+            self._stop.wait(_SIGNAL_POLL_S)
 
     def _end(self, message: str, code: int = 3) -> NoReturn:
         if self.on_peer_lost is not None:
