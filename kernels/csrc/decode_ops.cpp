@@ -37,6 +37,8 @@
 
 #include <cmath>
 #include <limits>
+#include <type_traits>
+#include <utility>
 
 #include "check.h"
 #include "cpu_kernels.h"
@@ -185,18 +187,8 @@ HR_AVX2 inline __m256 load8(const uint16_t* p) { return widen_bf16x8(_mm_loadu_s
 HR_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 HR_AVX2 inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), round_bf16x8(v)); }
 
-template <typename T, typename Slots>
-HR_AVX2 void attend_avx2(const T* q, const T* k, const T* v, int64_t keys, int64_t d, int64_t key_stride, float scale,
-                         float* scores, T* out, Slots slot) {
-  const int64_t parts = d / 8;
-  __m256 qv[kMaxD / 8];
-  for (int64_t c = 0; c < parts; ++c) qv[c] = _mm256_mul_ps(load8(q + 8 * c), _mm256_set1_ps(scale));
-  for (int64_t j = 0; j < keys; ++j) {
-    const T* kj = k + slot[j] * key_stride;
-    __m256 s = _mm256_mul_ps(qv[0], load8(kj));
-    for (int64_t c = 1; c < parts; ++c) s = _mm256_fmadd_ps(qv[c], load8(kj + 8 * c), s);
-    scores[j] = reduce8(s);
-  }
+// One head's scores in place as e^(s - max) (unnormalised), in this fixed order; returns their sum.
+HR_AVX2 inline float softmax_avx2(float* scores, int64_t keys) {
   __m256 top = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   int64_t j = 0;
   for (; j + 8 <= keys; j += 8) top = _mm256_max_ps(top, _mm256_loadu_ps(scores + j));
@@ -217,15 +209,158 @@ HR_AVX2 void attend_avx2(const T* q, const T* k, const T* v, int64_t keys, int64
     std::memcpy(scores + j, part, (keys - j) * sizeof(float));
     sum = _mm256_add_ps(sum, p);
   }
+  return reduce8(sum);
+}
+
+// One query head over its keys, for any d a multiple of 8 up to kMaxD: the score of key j is
+// (q * scale) . k_j summed as s = q_0 k_0, then s += q_c k_c for each further 8 lanes c, then
+// reduce8(s); the output sum_j p_j v_j accumulates in key order per 8 lanes, then times 1 / sum p.
+template <typename T, typename Slots>
+HR_AVX2 void attend_avx2_any(const T* q, const T* k, const T* v, int64_t keys, int64_t d, int64_t key_stride,
+                             float scale, float* scores, T* out, Slots slot) {
+  const int64_t parts = d / 8;
+  __m256 qv[kMaxD / 8];
+  for (int64_t c = 0; c < parts; ++c) qv[c] = _mm256_mul_ps(load8(q + 8 * c), _mm256_set1_ps(scale));
+  for (int64_t j = 0; j < keys; ++j) {
+    const T* kj = k + slot[j] * key_stride;
+    __m256 s = _mm256_mul_ps(qv[0], load8(kj));
+    for (int64_t c = 1; c < parts; ++c) s = _mm256_fmadd_ps(qv[c], load8(kj + 8 * c), s);
+    scores[j] = reduce8(s);
+  }
+  const float total = softmax_avx2(scores, keys);
   __m256 acc[kMaxD / 8];
   for (int64_t c = 0; c < parts; ++c) acc[c] = _mm256_setzero_ps();
-  for (j = 0; j < keys; ++j) {
+  for (int64_t j = 0; j < keys; ++j) {
     const T* vj = v + slot[j] * key_stride;
     const __m256 p = _mm256_set1_ps(scores[j]);
     for (int64_t c = 0; c < parts; ++c) acc[c] = _mm256_fmadd_ps(p, load8(vj + 8 * c), acc[c]);
   }
-  const __m256 inv = _mm256_set1_ps(1.f / reduce8(sum));
+  const __m256 inv = _mm256_set1_ps(1.f / total);
   for (int64_t c = 0; c < parts; ++c) store8(out + 8 * c, _mm256_mul_ps(acc[c], inv));
+}
+
+// Keys a chunk when several query heads read one KV head: the chunk's keys or values, widened
+// to float32 (8 KiB at d = 64), stay in L1 while every head reads them.
+constexpr int64_t kKeyChunk = 32;
+
+// Key j of a chunk starting at key j0: row j - j0 of the chunk's widened copy.
+struct ChunkRows {
+  int64_t j0;
+  int64_t operator[](int64_t j) const { return j - j0; }
+};
+
+template <typename T, typename Slots>
+HR_AVX2 void widen_rows(const T* src, int64_t key_stride, Slots slot, int64_t j0, int64_t j1, int64_t d, float* rows) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* r = src + slot[j] * key_stride;
+    float* w = rows + (j - j0) * d;
+    for (int64_t e = 0; e < d; e += 8) _mm256_storeu_ps(w + e, load8(r + e));
+  }
+}
+
+// Scores of keys j0 .. j1 - 1 for query heads 0 .. hn - 1 (row h of scores, keys long): per key
+// s = (q * scale)_0 k_0, then s += (q * scale)_c k_c for each further 8 lanes c, then reduce8(s),
+// attend_avx2_any's operations; R keys' chains run side by side.
+template <int P, typename T, typename K, typename Slots>
+HR_AVX2 void chunk_scores(const T* q, int64_t hn, float scale, const K* k, int64_t key_stride, Slots slot, int64_t j0,
+                          int64_t j1, float* scores, int64_t keys) {
+  constexpr int R = P <= 8 ? 4 : 2;  // R chains, q's P vectors and a load: at most 16 registers
+  for (int64_t h = 0; h < hn; ++h) {
+    __m256 qv[P];
+    for (int c = 0; c < P; ++c) qv[c] = _mm256_mul_ps(load8(q + h * 8 * P + 8 * c), _mm256_set1_ps(scale));
+    float* sh = scores + h * keys;
+    int64_t j = j0;
+    for (; j + R <= j1; j += R) {
+      const K* kr[R];
+      __m256 s[R];
+      for (int r = 0; r < R; ++r) kr[r] = k + slot[j + r] * key_stride;
+      for (int r = 0; r < R; ++r) s[r] = _mm256_mul_ps(qv[0], load8(kr[r]));
+      for (int c = 1; c < P; ++c)
+        for (int r = 0; r < R; ++r) s[r] = _mm256_fmadd_ps(qv[c], load8(kr[r] + 8 * c), s[r]);
+      for (int r = 0; r < R; ++r) sh[j + r] = reduce8(s[r]);
+    }
+    for (; j < j1; ++j) {
+      const K* kj = k + slot[j] * key_stride;
+      __m256 s = _mm256_mul_ps(qv[0], load8(kj));
+      for (int c = 1; c < P; ++c) s = _mm256_fmadd_ps(qv[c], load8(kj + 8 * c), s);
+      sh[j] = reduce8(s);
+    }
+  }
+}
+
+// Values j0 .. j1 - 1 into each head's output sums (row h of acc, 8 P long), in key order per
+// lane, 8 lanes-groups at a time in registers (attend_avx2_any's operations).
+template <int P, typename V, typename Slots>
+HR_AVX2 void chunk_values(int64_t hn, const V* v, int64_t key_stride, Slots slot, int64_t j0, int64_t j1,
+                          const float* scores, int64_t keys, float* acc) {
+  constexpr int W = P < 8 ? P : 8;
+  static_assert(P % W == 0, "P must be below 8 or a multiple of it");
+  for (int c0 = 0; c0 < P; c0 += W) {
+    for (int64_t h = 0; h < hn; ++h) {
+      float* ah = acc + h * 8 * P + 8 * c0;
+      const float* ph = scores + h * keys;
+      __m256 a[W];
+      for (int c = 0; c < W; ++c) a[c] = j0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(ah + 8 * c);
+      for (int64_t j = j0; j < j1; ++j) {
+        const V* vj = v + slot[j] * key_stride + 8 * c0;
+        const __m256 p = _mm256_set1_ps(ph[j]);
+        for (int c = 0; c < W; ++c) a[c] = _mm256_fmadd_ps(p, load8(vj + 8 * c), a[c]);
+      }
+      for (int c = 0; c < W; ++c) _mm256_storeu_ps(ah + 8 * c, a[c]);
+    }
+  }
+}
+
+// Query heads 0 .. hn - 1 of one row (contiguous in q and out), all on one KV head, d = 8 P known
+// at compile time (64 and 128, the usual head sizes). The same operations in the same order per
+// head, key and lane as attend_avx2_any, so the same bits; only the schedule differs. That one
+// keeps q and the output sums in memory and runs one key's chain of P dependent FMAs at a time
+// (about 69 cycles a key and head at d = 64 on Zen 3), and each head streams and widens its keys
+// and values itself. Here q and the sums sit in registers, R keys' chains run side by side, and
+// the heads take the keys and values a chunk at a time: a bf16 chunk read by several heads is
+// widened once into `rows` (kKeyChunk * 8 P floats), which they then read from L1.
+// scores holds hn * keys floats, acc hn * 8 P.
+template <int P, typename T, typename Slots>
+HR_AVX2 void attend_heads_avx2(const T* q, int64_t hn, const T* k, const T* v, int64_t keys, int64_t key_stride,
+                               float scale, float* scores, float* rows, float* acc, T* out, Slots slot) {
+  constexpr int64_t d = 8 * P;
+  const bool widen = std::is_same_v<T, uint16_t> && hn > 1;
+  for (int64_t j0 = 0; j0 < keys; j0 += kKeyChunk) {
+    const int64_t j1 = std::min(keys, j0 + kKeyChunk);
+    if (widen) {
+      widen_rows(k, key_stride, slot, j0, j1, d, rows);
+      chunk_scores<P>(q, hn, scale, rows, d, ChunkRows{j0}, j0, j1, scores, keys);
+    } else {
+      chunk_scores<P>(q, hn, scale, k, key_stride, slot, j0, j1, scores, keys);
+    }
+  }
+  float totals_inv[kMaxD];  // hn <= one KV head's query heads (split_heads keeps groups beyond kMaxD to one a task)
+  for (int64_t h = 0; h < hn; ++h) totals_inv[h] = 1.f / softmax_avx2(scores + h * keys, keys);
+  for (int64_t j0 = 0; j0 < keys; j0 += kKeyChunk) {
+    const int64_t j1 = std::min(keys, j0 + kKeyChunk);
+    if (widen) {
+      widen_rows(v, key_stride, slot, j0, j1, d, rows);
+      chunk_values<P>(hn, rows, d, ChunkRows{j0}, j0, j1, scores, keys, acc);
+    } else {
+      chunk_values<P>(hn, v, key_stride, slot, j0, j1, scores, keys, acc);
+    }
+  }
+  for (int64_t h = 0; h < hn; ++h) {
+    const __m256 inv = _mm256_set1_ps(totals_inv[h]);
+    for (int c = 0; c < P; ++c) store8(out + h * d + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + h * d + 8 * c), inv));
+  }
+}
+
+// Whether attend_heads_avx2 takes head size d (else one head at a time in attend_avx2_any).
+inline bool fixed_head_size(int64_t d) { return d == 64 || d == 128; }
+
+template <typename T, typename Slots>
+HR_AVX2 void attend_avx2(const T* q, int64_t hn, const T* k, const T* v, int64_t keys, int64_t d, int64_t key_stride,
+                         float scale, float* scores, float* rows, float* acc, T* out, Slots slot) {
+  if (d == 64) return attend_heads_avx2<8>(q, hn, k, v, keys, key_stride, scale, scores, rows, acc, out, slot);
+  if (d == 128) return attend_heads_avx2<16>(q, hn, k, v, keys, key_stride, scale, scores, rows, acc, out, slot);
+  for (int64_t h = 0; h < hn; ++h)
+    attend_avx2_any(q + h * d, k, v, keys, d, key_stride, scale, scores + h * keys, out + h * d, slot);
 }
 
 template <typename T>
@@ -257,9 +392,29 @@ int row_vector_width(int64_t d) {
 // kMaxD values (they keep a head in registers).
 int vector_width(int64_t d) { return d > kMaxD ? 0 : row_vector_width(d); }
 
-template <typename T>
-void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t start, float scale,
-                           at::Tensor& out) {
+// Query heads per task. On the AVX2 path with d 64 or 128 a task takes several heads of one KV
+// head's group, which read its keys and values from L1 after the first; the group is cut into
+// parts only so that every thread gets a share when rows x KV heads are few (one row of a TP=2
+// rank reads one KV head). Elsewhere a task is one head. This decides who computes a head, never
+// how: no row's bits depend on it.
+struct HeadSplit {
+  int64_t size, parts;  // heads a task (the last part of a group may have fewer), parts a group
+};
+
+HeadSplit split_heads(int64_t row_kv_tasks, int64_t group, int vec, int64_t d) {
+  if (vec != 8 || !fixed_head_size(d) || group == 1 || group > kMaxD) return {1, group};
+  const int64_t threads = std::max(1, at::get_num_threads());
+  int64_t parts = 1;
+  while (parts < group && (row_kv_tasks * parts) % threads != 0 && row_kv_tasks * parts < 4 * threads) ++parts;
+  const int64_t size = (group + parts - 1) / parts;
+  return {size, (group + size - 1) / size};
+}
+
+// Both attention ops: row i's query heads attend to the keys row_keys(i) = {count, Slots} names,
+// at most `longest` of them.
+template <typename T, typename RowKeys>
+void attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t longest, float scale,
+                    RowKeys row_keys, at::Tensor& out) {
   const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(0);
   const int64_t group = heads / kv_heads;
   const T* qd = reinterpret_cast<const T*>(q.data_ptr());
@@ -268,25 +423,30 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   T* od = reinterpret_cast<T*>(out.data_ptr());
   const int64_t k_head = k.stride(0), v_head = v.stride(0), k_slot = k.stride(1);
   const int vec = vector_width(d);
-  at::parallel_for(0, n * heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(start + n), acc(d);
+  const HeadSplit split = split_heads(n * kv_heads, group, vec, d);
+  at::parallel_for(0, n * kv_heads * split.parts, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(split.size * std::max<int64_t>(longest, 1)), acc(split.size * d);
+    std::vector<float> rows(split.size > 1 ? kKeyChunk * d : 0);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t i = t / heads, h = t % heads, g = h / group, keys = start + i + 1;
-      const T* qi = qd + (i * heads + h) * d;
-      T* oi = od + (i * heads + h) * d;
+      const int64_t i = t / (kv_heads * split.parts), g = t / split.parts % kv_heads, part = t % split.parts;
+      const int64_t h0 = g * group + part * split.size, hn = std::min(split.size, group - part * split.size);
+      const auto [keys, slot] = row_keys(i);
+      const T* qi = qd + (i * heads + h0) * d;
+      const T* kg = kd + g * k_head;
+      const T* vg = vd + g * v_head;
+      T* oi = od + (i * heads + h0) * d;
 #if HR_X86
-      if (vec == 16) {
-        attend_avx512(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), oi, Contiguous{});
+      if (vec == 16) {  // one head a task (split_heads)
+        attend_avx512(qi, kg, vg, keys, d, k_slot, scale, scores.data(), oi, slot);
         continue;
       }
       if (vec == 8) {
-        attend_avx2(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), oi, Contiguous{});
+        attend_avx2(qi, hn, kg, vg, keys, d, k_slot, scale, scores.data(), rows.data(), acc.data(), oi, slot);
         continue;
       }
 #endif
       (void)vec;
-      attend_generic(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), acc.data(), oi,
-                     Contiguous{});
+      attend_generic(qi, kg, vg, keys, d, k_slot, scale, scores.data(), acc.data(), oi, slot);
     }
   });
 }
@@ -312,47 +472,12 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   HR_CHECK(start >= 0 && start + n <= k.size(1) && start + n <= v.size(1), "slots 0 .. ", start + n - 1,
            " are not all in the cache of ", k.size(1));
   at::Tensor out = at::empty_like(q);
+  const auto row_keys = [start](int64_t i) { return std::pair{start + i + 1, Contiguous{}}; };
   if (q.scalar_type() == at::kFloat)
-    decode_attention_impl<float>(q, k, v, start, static_cast<float>(scale), out);
+    attention_impl<float>(q, k, v, start + n, static_cast<float>(scale), row_keys, out);
   else
-    decode_attention_impl<uint16_t>(q, k, v, start, static_cast<float>(scale), out);
+    attention_impl<uint16_t>(q, k, v, start + n, static_cast<float>(scale), row_keys, out);
   return out;
-}
-
-template <typename T>
-void paged_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const int64_t* slots,
-                          const int64_t* offsets, int64_t longest, float scale, at::Tensor& out) {
-  const int64_t n = q.size(0), heads = q.size(1), d = q.size(2), kv_heads = k.size(0);
-  const int64_t group = heads / kv_heads;
-  const T* qd = reinterpret_cast<const T*>(q.data_ptr());
-  const T* kd = reinterpret_cast<const T*>(k.data_ptr());
-  const T* vd = reinterpret_cast<const T*>(v.data_ptr());
-  T* od = reinterpret_cast<T*>(out.data_ptr());
-  const int64_t k_head = k.stride(0), v_head = v.stride(0), k_slot = k.stride(1);
-  const int vec = vector_width(d);
-  at::parallel_for(0, n * heads, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(std::max<int64_t>(longest, 1)), acc(d);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t i = t / heads, h = t % heads, g = h / group;
-      const int64_t keys = offsets[i + 1] - offsets[i];
-      const Listed slot{slots + offsets[i]};
-      const T* qi = qd + (i * heads + h) * d;
-      T* oi = od + (i * heads + h) * d;
-#if HR_X86
-      if (vec == 16) {
-        attend_avx512(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), oi, slot);
-        continue;
-      }
-      if (vec == 8) {
-        attend_avx2(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), oi, slot);
-        continue;
-      }
-#endif
-      (void)vec;
-      attend_generic(qi, kd + g * k_head, vd + g * v_head, keys, d, k_slot, scale, scores.data(), acc.data(), oi,
-                     slot);
-    }
-  });
 }
 
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& key_slots,
@@ -377,10 +502,11 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   for (int64_t j = 0; j < key_slots.numel(); ++j)
     HR_CHECK(sl[j] >= 0 && sl[j] < cached, "key slot ", sl[j], " is outside the cache of ", cached);
   at::Tensor out = at::empty_like(q);
+  const auto row_keys = [sl, off](int64_t i) { return std::pair{off[i + 1] - off[i], Listed{sl + off[i]}}; };
   if (q.scalar_type() == at::kFloat)
-    paged_attention_impl<float>(q, k, v, sl, off, longest, static_cast<float>(scale), out);
+    attention_impl<float>(q, k, v, longest, static_cast<float>(scale), row_keys, out);
   else
-    paged_attention_impl<uint16_t>(q, k, v, sl, off, longest, static_cast<float>(scale), out);
+    attention_impl<uint16_t>(q, k, v, longest, static_cast<float>(scale), row_keys, out);
   return out;
 }
 

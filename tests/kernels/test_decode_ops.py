@@ -60,6 +60,28 @@ def test_attention_rows_do_not_depend_on_the_batch(row_ops, dtype, d):
         assert torch.equal(together[i:i + 1], alone), i
 
 
+@pytest.mark.parametrize("heads, kv_heads", [(7, 1), (14, 2), (12, 4)], ids=["7-on-1", "14-on-2", "12-on-4"])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_attention_bits_do_not_depend_on_how_heads_are_shared_out(row_ops, heads, kv_heads, threads):
+    # The AVX2 path gives a task several query heads of one KV head (each chunk of keys widened
+    # once for all of them), cut into parts by rows x KV heads and the thread count: a one-row
+    # decode of a TP=2 rank (7 heads on 1) splits its group, 9 rows do not. Every head's bits stay
+    # those of the head computed on its own (one head per call, one thread).
+    k, v = _cache(kv_heads, 150, 64, torch.bfloat16, seed=11)
+    q = torch.randn(9, heads, 64, generator=torch.Generator().manual_seed(12)).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = torch.stack([torch.cat([decode_attention(q[i:i + 1, h:h + 1], k[h // (heads // kv_heads)][None], v[
+            h // (heads // kv_heads)][None], 60 + i, 0.125) for h in range(heads)], dim=1)[0] for i in range(9)])
+        torch.set_num_threads(threads)
+        for n in (1, 2, 3, 9):
+            assert torch.equal(decode_attention(q[:n], k, v, 60, 0.125), alone[:n]), n
+        assert torch.equal(decode_attention(q[4:5], k, v, 64, 0.125), alone[4:5])
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_compiled_attention_matches_pytorch_one_row_at_a_time():
     if cpu_ext.ops() is None:
         pytest.skip("the compiled kernels do not build here")
