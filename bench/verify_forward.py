@@ -3,11 +3,11 @@ real CPU target at TP=1, whether the verify rows are bitwise equal to sequential
 how close the 1-token forward comes to the memory-bandwidth roofline.
 
     python bench/verify_forward.py [--quant bf16,nvfp4] [--sizes 1,2,5,9,16] [--repeat 30] [--threads N]
-                                   [--cpu-time]
+                                   [--cpu-time] [--context 128]
 
 Uses the checkpoints bench/target_decode.py converts (~/.cache/hetero-run/bench; run it once
 first). Per quantisation prints, for each forward size n: the median ms of one forward of n
-tokens after a 128-token prompt (the cache rolled back after each; sizes timed round robin, so
+tokens after a prompt of --context tokens (128; the cache rolled back after each; sizes timed round robin, so
 a change in the machine's load touches all of them alike), its ratio to n = 1, and whether its
 logits equal n sequential 1-token forwards bit for bit (`torch.equal`). Then the roofline: the
 bytes a 1-token forward must read (every weight it uses, model.decode_nbytes()) over the memory
@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=CACHE, help="converted checkpoints (default %(default)s)")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
     parser.add_argument("--cpu-time", action="store_true", help="time CPU time, not wall time (with --threads 1)")
+    parser.add_argument("--context", type=int, default=128,
+                        help="prompt tokens cached before the timed forwards (default %(default)s): attention's "
+                             "share grows with it")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -52,31 +55,31 @@ def main() -> None:
     print(f"CPU kernels: {cpu_ext.describe()}; threads {torch.get_num_threads()}")
     for quant in args.quant.split(","):
         _measure(args.cache / f"{NAME}-{quant}", quant, sizes, args.repeat, time.process_time if args.cpu_time
-                 else time.perf_counter)
+                 else time.perf_counter, args.context)
 
 
-def _measure(folder: Path, quant: str, sizes: list[int], repeat: int, clock) -> None:
+def _measure(folder: Path, quant: str, sizes: list[int], repeat: int, clock, context: int) -> None:
     from hetero_run.runtime.models.loader import load_model
     from hetero_run.runtime.models.parallel import ParallelContext
 
     if not folder.is_dir():
         raise SystemExit(f"{folder}: not found (python bench/target_decode.py converts it)")
-    model = load_model(folder, ParallelContext.single(), max_tokens=512)
+    model = load_model(folder, ParallelContext.single(), max_tokens=max(512, context + 2 * max(sizes)))
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, model.config.vocab_size, (128,), generator=gen)
-    model.forward(prompt, torch.arange(128), num_logits=1)
+    prompt = torch.randint(0, model.config.vocab_size, (context,), generator=gen)
+    model.forward(prompt, torch.arange(context), num_logits=1)
     ids = torch.randint(0, model.config.vocab_size, (max(sizes),), generator=gen)
     seq = []
     for i in range(max(sizes)):  # the reference: one token per forward
-        seq.append(model.forward(ids[i:i + 1], torch.tensor([128 + i])))
+        seq.append(model.forward(ids[i:i + 1], torch.tensor([context + i])))
     seq = torch.cat(seq)
 
     bandwidth = [_bandwidth(clock)]
-    times, logits = time_rows(model, 128, ids, sizes, repeat, clock)
+    times, logits = time_rows(model, context, ids, sizes, repeat, clock)
     bandwidth.append(_bandwidth(clock))
     same = {n: torch.equal(logits[n], seq[:n]) for n in sizes}
     base = statistics.median(times[1]) * 1e3
-    print(f"{quant} ({'CPU' if clock is time.process_time else 'wall'} time):")
+    print(f"{quant} ({'CPU' if clock is time.process_time else 'wall'} time, after {context} cached tokens):")
     for n in sizes:
         ms = statistics.median(times[n]) * 1e3
         print(f"  n={n:3d}  {ms:8.2f} ms  x{ms / base:5.2f} of n=1   bitwise equal to sequential: {same[n]}")
