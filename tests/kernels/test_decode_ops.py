@@ -60,15 +60,16 @@ def test_attention_rows_do_not_depend_on_the_batch(row_ops, dtype, d):
         assert torch.equal(together[i:i + 1], alone), i
 
 
-@pytest.mark.parametrize("heads, kv_heads", [(7, 1), (14, 2), (12, 4)], ids=["7-on-1", "14-on-2", "12-on-4"])
+@pytest.mark.parametrize("heads, kv_heads, d", [(7, 1, 64), (14, 2, 64), (12, 4, 64), (8, 2, 128), (6, 2, 40)],
+                         ids=["7-on-1", "14-on-2", "12-on-4", "8-on-2-d128", "6-on-2-d40"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_attention_bits_do_not_depend_on_how_heads_are_shared_out(row_ops, heads, kv_heads, threads):
+def test_attention_bits_do_not_depend_on_how_heads_are_shared_out(row_ops, heads, kv_heads, d, threads):
     # The AVX2 path gives a task several query heads of one KV head (each chunk of keys widened
     # once for all of them), cut into parts by rows x KV heads and the thread count: a one-row
     # decode of a TP=2 rank (7 heads on 1) splits its group, 9 rows do not. Every head's bits stay
     # those of the head computed on its own (one head per call, one thread).
-    k, v = _cache(kv_heads, 150, 64, torch.bfloat16, seed=11)
-    q = torch.randn(9, heads, 64, generator=torch.Generator().manual_seed(12)).bfloat16()
+    k, v = _cache(kv_heads, 150, d, torch.bfloat16, seed=11)
+    q = torch.randn(9, heads, d, generator=torch.Generator().manual_seed(12)).bfloat16()
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
