@@ -30,7 +30,6 @@ log = get_logger(__name__)
 
 ALIVE, STOP, ABORT = 0, 1, 2
 ABORT_GRACE_S = 5.0  # for a rank's own unwinding to reach stop() after a peer aborted
-_SIGNAL_POLL_S = 0.05  # how often a rank waiting out that grace looks for a signal of its own
 
 # Set by the signal watcher as soon as SIGINT/SIGTERM arrives, even while the main thread is
 # blocked in C and cannot run its Python handler yet; `signal_number` is the signal's number.
@@ -74,7 +73,7 @@ class Heartbeat:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self._stop = threading.Event()
-        self._wake = threading.Event()  # stop() or probe_peers(): the leader pings now
+        self._wake = threading.Event()  # stop() or probe_peers(): the leader pings now, an ABORT wait ends
         self._aborting = False
         self._departed: set[int] = set()
         # called with the message just before the heartbeat ends the process for a lost peer, so a
@@ -128,9 +127,11 @@ class Heartbeat:
             if signal_seen.is_set():
                 exit_now(f"waiting on {self.peers[rank]}, which left after the same signal; exiting",
                          code=128 + signal_number)
-            if time.monotonic() >= end:
+            left = end - time.monotonic()
+            if left <= 0:
                 self._end(f"{self.peers[rank]} left the job after an error or a signal; ending the job")
-            self._stop.wait(_SIGNAL_POLL_S)
+            self._wake.wait(left)  # stop(), or probe_peers() from the signal watcher
+            self._wake.clear()
 
     def _end(self, message: str, code: int = 3) -> NoReturn:
         if self.on_peer_lost is not None:

@@ -61,8 +61,21 @@ from hetero_run.launch import watchdog
 
 heartbeat = watchdog.Heartbeat(None, 1, 2, {0: "rank 0 (host h, pid 1)", 1: "rank 1 (host h, pid 2)"},
                                interval_s=1.0, timeout_s=60.0)
-if sys.argv[1] == "signal":  # this rank's own SIGTERM lands just after the peer's ABORT
-    threading.Timer(0.3, watchdog.note_signal, (signal.SIGTERM,)).start()
+
+
+def signalled():  # what the signal watcher does when this rank's own SIGTERM lands
+    watchdog.note_signal(signal.SIGTERM)
+    watchdog.probe_peers()
+
+
+def stopped():  # what stop() does before it joins the heartbeat's thread
+    heartbeat._stop.set()
+    heartbeat._wake.set()
+
+
+watchdog._running.add(heartbeat)
+if sys.argv[1] == "signal":  # just after the peer's ABORT
+    threading.Timer(0.3, signalled).start()
 heartbeat._peer_aborted(0)
 print("returned", flush=True)
 """
@@ -91,8 +104,10 @@ def test_without_a_signal_the_peers_abort_ends_the_rank_after_the_grace():
 
 def test_a_rank_that_stops_during_the_grace_returns_quietly():
     code = PEER_ABORTED_CHILD.replace('if sys.argv[1] == "signal"', 'if True') \
-        .replace("watchdog.note_signal, (signal.SIGTERM,)", "heartbeat._stop.set")
+        .replace("threading.Timer(0.3, signalled)", "threading.Timer(0.3, stopped)")
     proc = _child(textwrap.dedent(code), "stop")
+    start = time.monotonic()
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "returned" in out and "ending the job" not in err
+    assert time.monotonic() - start < 4.0  # woken by the stop, not at the end of the grace
