@@ -12,6 +12,9 @@ interleaved so that a passing load spike hits every figure alike, the median of 
   forward (k = 2, 4, 8 slots), per projection kind in `--weights` (where the CPU kernels may use
   AMX, once with the projections on AMX tiles and once on the vector kernels: the runtime times
   both at start and drafts on the faster, runtime/drafters/threads.py);
+- with `--activations both`, the NVFP4 drafter once with int8 activations (`nvfp4_linear_i8`,
+  what it runs where the CPU has AVX2 but not AVX-512) and once with the float kernels' (bf16
+  where the CPU has bf16 dot products, else float32): rows "nvfp4 int8" and "nvfp4 float";
 - its projections alone: the step's 121 linear products (4 per layer and the head) called back
   to back through the registered ops on one row, nothing between them, each op forking and
   joining the threads (the step computes them with the same kernels in one parallel region):
@@ -55,6 +58,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pair", type=Path, default=PAIR, help="the CPU pair (default %(default)s)")
     parser.add_argument("--weights", default="nvfp4,dense", help="drafter projections: nvfp4, dense or both")
+    parser.add_argument("--activations", choices=("auto", "both"), default="auto",
+                        help="NVFP4 drafter activations: the runtime's choice, or int8 and float side by side")
     parser.add_argument("--context", type=int, default=128, help="tokens cached before the steps (default 128)")
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
     parser.add_argument("--steps", type=int, default=10, help="steps per figure per round (default 10)")
@@ -97,13 +102,17 @@ def _run(args, kinds: list[str]) -> None:
     for kind in kinds:
         begin = time.perf_counter()
         drafter = load_drafter(args.pair / DRAFTER, weights=kind, slots=slots, max_tokens=tokens)
-        loads[kind] = time.perf_counter() - begin
-        network = drafter.network
+        networks = {kind: drafter.network}
+        if kind == "nvfp4" and args.activations == "both":
+            networks = {f"{kind} {name}": _with_activations(drafter.network, int8, slots, tokens)
+                        for name, int8 in (("int8", True), ("float", False))}
         ids = _ids(drafter.tokenizer, context)
-        for _ in range(slots):
-            slot = network.acquire()
-            network.forward(ids, torch.full((context,), slot))
-        drafters[kind] = network
+        for label, network in networks.items():
+            loads[label] = time.perf_counter() - begin
+            for _ in range(slots):
+                slot = network.acquire()
+                network.forward(ids, torch.full((context,), slot))
+            drafters[label] = network
     baselines = _baselines(args, drafters, tokens) if args.baseline else {}
 
     step_token = torch.tensor([int(target_ids[-1])])
@@ -177,6 +186,20 @@ def _run(args, kinds: list[str]) -> None:
         print(json.dumps(report))
 
 
+def _with_activations(network, int8: bool, slots: int, tokens: int):
+    """A network over copies of `network`'s projections with int8 activations or without."""
+    from dataclasses import replace
+
+    from hetero_run.runtime.drafters.network import DraftNetwork
+    from hetero_run.runtime.drafters.weights import with_fast_activations
+
+    w = network.weights
+    layers = [replace(layer, qkv=replace(layer.qkv), o=replace(layer.o), gate_up=replace(layer.gate_up),
+                      down=replace(layer.down)) for layer in w.layers]
+    copy = replace(w, layers=layers, head=replace(w.head), extra=dict(w.extra))
+    return DraftNetwork(with_fast_activations(copy, int8=int8), slots, tokens)
+
+
 def _linear_only(weights):
     """The step's projections on one row, back to back, through the ops the compiled step calls."""
     from hetero_run.kernels.drafter_step import project
@@ -215,7 +238,7 @@ def _baselines(args, drafters: dict, tokens: int) -> dict:
     out = {}
     for kind, network in drafters.items():
         model = load_model(args.pair / DRAFTER, max_tokens=tokens, dtype="bf16")  # through transformers
-        if kind == "nvfp4":  # the fast drafter's own NVFP4 weights
+        if kind.startswith("nvfp4"):  # the fast drafter's own NVFP4 weights
             for layer, step_layer in zip(model.layers, network.weights.layers, strict=True):
                 for linear, p in ((layer.attention.qkv, step_layer.qkv), (layer.attention.o, step_layer.o),
                                   (layer.mlp.gate_up, step_layer.gate_up), (layer.mlp.down, step_layer.down)):

@@ -33,7 +33,7 @@ __all__ = ["FEATURE_AMX", "FEATURE_AVX2", "FEATURE_AVX512", "FEATURE_AVX512_BF16
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / f"{name}.cpp" for name in ("cpu_linear", "nvfp4_avx512", "dense_avx512", "avx2", "amx", "portable",
-                                              "decode_ops", "drafter_step", "decoder_layer")]
+                                              "nvfp4_int8", "decode_ops", "drafter_step", "decoder_layer")]
 NAME = "hetero_run_cpu_linear"
 OPENMP = ["-fopenmp"] if sys.platform.startswith("linux") else []  # the libgomp torch itself uses
 

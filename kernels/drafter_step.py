@@ -44,6 +44,7 @@ class Projection:
     row_scale: torch.Tensor | None = None  # float32 [out]
     bias: torch.Tensor | None = None  # float32 [out]
     bf16_x: bool = False  # a bf16 or NVFP4 weight multiplies x rounded to bf16 (the kernels' vdpbf16ps paths)
+    int8_x: bool = False  # an NVFP4 weight multiplies x quantised to int8 (hetero_run::nvfp4_linear_i8)
 
     def __post_init__(self):
         if (self.weight is None) == (self.codes is None):
@@ -54,6 +55,8 @@ class Projection:
                                  f"{list(self.weight.shape)}")
             self.weight = self.weight.contiguous()
             self.bf16_x = self.bf16_x and self.weight.dtype == torch.bfloat16
+            if self.int8_x:
+                raise ValueError("int8 activations need NVFP4 weights")
         else:
             out, half = self.codes.shape
             if (self.codes.dtype != torch.uint8 or self.block_scale is None or self.row_scale is None
@@ -63,6 +66,8 @@ class Projection:
                                  "float32 row_scale [out]")
             self.codes, self.block_scale = self.codes.contiguous(), self.block_scale.contiguous()
             self.row_scale = self.row_scale.float().contiguous()
+        if self.bf16_x and self.int8_x:
+            raise ValueError("a projection takes bf16 or int8 activations, not both")
         if self.bias is not None:
             self.bias = self.bias.float().contiguous()
             if self.bias.shape != (self.out_features,):
@@ -91,7 +96,7 @@ class Projection:
         if self.nvfp4:
             scales = self.block_scale.view(torch.uint8).index_select(0, rows).view(torch.float8_e4m3fn)
             return Projection(codes=pick(self.codes), block_scale=scales.contiguous(), row_scale=pick(self.row_scale),
-                              bias=pick(self.bias), bf16_x=self.bf16_x)
+                              bias=pick(self.bias), bf16_x=self.bf16_x, int8_x=self.int8_x)
         return Projection(weight=pick(self.weight), bias=pick(self.bias), bf16_x=self.bf16_x)
 
 
@@ -258,7 +263,7 @@ class DraftStep:
 
 def _set_proj(step, layer: int, which: int, p: Projection) -> None:
     scales = None if p.block_scale is None else p.block_scale.view(torch.uint8)
-    step.set_proj(layer, which, p.weight, p.codes, scales, p.row_scale, p.bias, p.bf16_x)
+    step.set_proj(layer, which, p.weight, p.codes, scales, p.row_scale, p.bias, p.bf16_x, p.int8_x)
 
 
 # ---------------------------------------------------------------- the reference
@@ -268,7 +273,11 @@ def project(x: torch.Tensor, p: Projection) -> torch.Tensor:
     """x float32 [n, in] -> float32 [n, out] as the compiled step computes it: the registered op
     when the library is there, else plain PyTorch one row at a time."""
     lib = cpu_ext.ops()
-    if lib is not None:
+    if p.int8_x:
+        from hetero_run.kernels.nvfp4_linear import nvfp4_linear_i8
+
+        y = nvfp4_linear_i8(x.contiguous(), p.codes, p.block_scale, p.row_scale)
+    elif lib is not None:
         if p.nvfp4:
             xs = (x.bfloat16() if p.bf16_x else x).contiguous()
             y = lib.nvfp4_linear(xs, p.codes, p.block_scale.view(torch.uint8), p.row_scale)

@@ -61,3 +61,40 @@ def nvfp4_dequantize(codes: torch.Tensor, block_scale: torch.Tensor, row_scale: 
         return lib.nvfp4_dequant(codes.contiguous(), block_scale.contiguous().view(torch.uint8),
                                  row_scale.contiguous()).to(dtype)
     return nvfp4.dequantize(codes, block_scale, row_scale, dtype)
+
+
+# ---------------------------------------------------------------- int8 activations (the drafter's)
+
+I8_GROUP = 64  # inputs per group of a quantised row (csrc/nvfp4_int8.cpp)
+
+
+def nvfp4_linear_i8(x: torch.Tensor, codes: torch.Tensor, block_scale: torch.Tensor,
+                    row_scale: torch.Tensor) -> torch.Tensor:
+    """float32 x [n, in] @ W.T -> float32 [n, out] with each block of 16 activations quantised to
+    int8 (its own scale) and integer dot products: `csrc/nvfp4_int8.cpp`, the drafter's kernel
+    where the CPU lacks AVX-512 (not nvfp4_linear's bits; within int8 rounding of them). Every row
+    on its own, in one order: row-invariant. Without the compiled library, `linear_i8_reference`."""
+    lib = cpu_ext.ops()
+    x = x.float().contiguous()
+    if lib is None:
+        return linear_i8_reference(x, codes, block_scale, row_scale).float()
+    return lib.nvfp4_linear_i8(x, codes, block_scale.view(torch.uint8), row_scale)
+
+
+def quantize_i8_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 x [n, in] -> (q int8 [n, in], a float32 [n, in / 16]) as the kernels quantise it:
+    per block of 16, a = amax / 127 and q = x * (127 / amax) rounded to even (0 for a zero block)."""
+    blocks = x.float().reshape(x.shape[0], -1, nvfp4.GROUP_SIZE)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    q = torch.round(blocks * inv).to(torch.int8)
+    return q.reshape(x.shape), (amax / 127.0).squeeze(-1)
+
+
+def linear_i8_reference(x: torch.Tensor, codes: torch.Tensor, block_scale: torch.Tensor,
+                        row_scale: torch.Tensor) -> torch.Tensor:
+    """nvfp4_linear_i8 in float64 from the same quantised activations (the kernel's float32 sums
+    differ from it by rounding only)."""
+    q, a = quantize_i8_reference(x)
+    xd = (q.double().reshape(x.shape[0], -1, nvfp4.GROUP_SIZE) * a.double()[..., None]).reshape(x.shape)
+    return xd @ nvfp4.dequantize(codes, block_scale, row_scale).double().T

@@ -233,6 +233,19 @@ void dense_linear_avx512(const float* x, int64_t n, int64_t in, const float* w, 
 void dense_linear_avx512(const float* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y);
 void dense_linear_avx512_bf16(const uint16_t* x, int64_t n, int64_t in, const uint16_t* w, int64_t out, float* y);
 
+// nvfp4_int8.cpp: NVFP4 weights times int8 activations (each block of 16 quantised with its own
+// scale), for the drafter on CPUs without AVX-512; the layout of a quantised row is that file's.
+// The portable loops and the AVX2 kernel give the same bits. y has y_stride floats a row and
+// gets weight rows r0 .. r1 - 1 in its columns 0 .. r1 - r0 - 1.
+constexpr int64_t kI8Group = 64, kI8GroupBytes = 128;
+inline int64_t i8_groups(int64_t in) { return (in + kI8Group - 1) / kI8Group; }
+void quantize_i8_portable(const float* x, int64_t in, uint8_t* out);
+void nvfp4_i8_rows_portable(const uint8_t* xq, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
+                            const float* row_scale, int64_t r0, int64_t r1, float* y, int64_t y_stride);
+void quantize_i8_avx2(const float* x, int64_t in, uint8_t* out);
+void nvfp4_i8_rows_avx2(const uint8_t* xq, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
+                        const float* row_scale, int64_t r0, int64_t r1, float* y, int64_t y_stride);
+
 // amx.cpp (bf16 x)
 void nvfp4_linear_amx(const uint16_t* x, int64_t n, int64_t in, const uint8_t* codes, const uint8_t* scales,
                       const float* row_scale, int64_t out, float* y);

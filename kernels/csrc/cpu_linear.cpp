@@ -8,6 +8,11 @@
 //       a second pass through PyTorch: that took 5% of an 8-row decode step of the CPU target)
 //   nvfp4_dequant(codes, block_scale, row_scale) -> f32 [out, in]   (bit-exact with the reference)
 //   dense_linear(x f32|bf16 [n, in], w f32|bf16 [out, in], path=0, bf16_out=False) -> f32 [n, out]
+//   nvfp4_linear_i8(x f32 [n, in], codes, block_scale, row_scale, path=0) -> f32 [n, out]
+//       x quantised to int8 a block of 16 at a time, then integer dot products (nvfp4_int8.cpp;
+//       not the bits of nvfp4_linear: the drafter's kernel where the CPU lacks AVX-512); path 0,
+//       5 (AVX2) or 6 (portable loops), which give the same bits
+//   nvfp4_i8_quantize(x f32 [n, in], path=0) -> u8 [n, 128 * ceil(in / 64)]  (its quantised rows)
 //   cpu_features() -> int            the kernels path 0 may use (kFeature* bits, cpu_kernels.h)
 //   cpu_supported_features() -> int  what CPUID and the OS offer
 //   set_cpu_features(int mask)       restrict path 0 to these (after the caller's self-tests)
@@ -267,6 +272,78 @@ at::Tensor dense_linear(const at::Tensor& x_in, const at::Tensor& w, int64_t pat
   return bf16_out ? to_bf16(y) : y;
 }
 
+// The int8-activation kernels: AVX2 for path 0 when allowed or for path 5, the portable loops
+// for path 6 (or path 0 without AVX2).
+bool i8_avx2(int64_t path) {
+  HR_CHECK(path == kPathAuto || path == kPathAvx2 || path == kPathPortable,
+           "the int8-activation kernels take path 0, 5 (AVX2) or 6 (portable), got ", path);
+  if (path == kPathAvx2) HR_CHECK(supported(kFeatureAvx2), "this CPU cannot run the AVX2 kernels");
+  return HR_X86 && (path == kPathAvx2 || (path == kPathAuto && allowed(kFeatureAvx2)));
+}
+
+void quantize_i8(bool avx2, const float* x, int64_t n, int64_t in, uint8_t* xq) {
+  const int64_t row = i8_groups(in) * kI8GroupBytes;
+  for (int64_t i = 0; i < n; ++i) {
+#if HR_X86
+    if (avx2) {
+      quantize_i8_avx2(x + i * in, in, xq + i * row);
+      continue;
+    }
+#endif
+    quantize_i8_portable(x + i * in, in, xq + i * row);
+  }
+}
+
+void nvfp4_i8_rows(bool avx2, const uint8_t* xq, int64_t n, int64_t in, const uint8_t* cd, const uint8_t* sd,
+                   const float* rs, int64_t r0, int64_t r1, float* y, int64_t y_stride) {
+#if HR_X86
+  if (avx2) return nvfp4_i8_rows_avx2(xq, n, in, cd, sd, rs, r0, r1, y, y_stride);
+#endif
+  nvfp4_i8_rows_portable(xq, n, in, cd, sd, rs, r0, r1, y, y_stride);
+}
+
+void check_i8_x(const at::Tensor& x) {
+  check_2d(x, "x");
+  HR_CHECK(x.scalar_type() == at::kFloat, "x must be float32 for the int8-activation kernels, got ", x.scalar_type());
+  HR_CHECK(x.size(1) % kGroup == 0, "in_features ", x.size(1), " is not a multiple of ", kGroup);
+}
+
+at::Tensor nvfp4_i8_quantize(const at::Tensor& x, int64_t path) {
+  check_i8_x(x);
+  const bool avx2 = i8_avx2(path);
+  const int64_t n = x.size(0), in = x.size(1);
+  at::Tensor xq = at::empty({n, i8_groups(in) * kI8GroupBytes}, x.options().dtype(at::kByte));
+  quantize_i8(avx2, x.data_ptr<float>(), n, in, xq.data_ptr<uint8_t>());
+  return xq;
+}
+
+at::Tensor nvfp4_linear_i8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                           const at::Tensor& row_scale, int64_t path) {
+  check_i8_x(x);
+  check_2d(codes, "codes");
+  check_2d(scales, "block_scale");
+  HR_CHECK(codes.scalar_type() == at::kByte && scales.scalar_type() == at::kByte, "codes and scales must be uint8");
+  HR_CHECK(row_scale.scalar_type() == at::kFloat && row_scale.is_contiguous(), "row_scale must be contiguous float32");
+  const int64_t n = x.size(0), in = x.size(1), out = codes.size(0);
+  HR_CHECK(codes.size(1) * 2 == in, "codes have ", codes.size(1) * 2, " inputs, x has ", in);
+  HR_CHECK(scales.size(0) == out && scales.size(1) * kGroup == in, "block_scale shape does not match codes");
+  HR_CHECK(row_scale.numel() == out, "row_scale needs ", out, " values");
+  const bool avx2 = i8_avx2(path);
+  at::Tensor y = at::empty({n, out}, x.options());
+  if (n == 0 || out == 0) return y;
+  const at::Tensor xq = nvfp4_i8_quantize(x, avx2 ? kPathAvx2 : kPathPortable);
+  const uint8_t* cd = codes.data_ptr<uint8_t>();
+  const uint8_t* sd = scales.data_ptr<uint8_t>();
+  const float* rs = row_scale.data_ptr<float>();
+  float* yd = y.data_ptr<float>();
+  at::parallel_for(0, out, grain_rows(in / 2 + in / kGroup), [&](int64_t r0, int64_t r1) {
+    std::vector<float> part(n * (r1 - r0));
+    nvfp4_i8_rows(avx2, xq.data_ptr<uint8_t>(), n, in, cd, sd, rs, r0, r1, part.data(), r1 - r0);
+    for (int64_t i = 0; i < n; ++i) std::memcpy(yd + i * out + r0, part.data() + i * (r1 - r0), (r1 - r0) * 4);
+  });
+  return y;
+}
+
 int64_t cpu_features() { return allowed_features(); }
 int64_t cpu_supported_features() { return supported_features(); }
 void set_cpu_features(int64_t mask) { set_allowed_features(static_cast<int>(mask)); }
@@ -301,6 +378,16 @@ void dense_linear_rows(const at::Tensor& x, const at::Tensor& w, int64_t r0, int
   dense_run(choose(path, bf16, bf16 && x.size(1) % 32 == 0), x, w, r0, r1 - r0, y);
 }
 
+void quantize_i8_rows(const float* x, int64_t n, int64_t in, uint8_t* xq) {
+  quantize_i8(i8_avx2(kPathAuto), x, n, in, xq);
+}
+
+void nvfp4_i8_linear_rows(const uint8_t* xq, int64_t n, int64_t in, const at::Tensor& codes,
+                          const at::Tensor& block_scale, const at::Tensor& row_scale, int64_t r0, int64_t r1, float* y) {
+  nvfp4_i8_rows(i8_avx2(kPathAuto), xq, n, in, codes.data_ptr<uint8_t>(), block_scale.data_ptr<uint8_t>(),
+                row_scale.data_ptr<float>(), r0, r1, y, r1 - r0);
+}
+
 namespace ops {
 at::Tensor nvfp4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& block_scale,
                         const at::Tensor& row_scale, int64_t path, bool bf16_out) {
@@ -319,6 +406,9 @@ TORCH_LIBRARY(hetero_run, m) {
         &hetero_run_cpu::nvfp4_linear);
   m.def("nvfp4_dequant(Tensor codes, Tensor block_scale, Tensor row_scale) -> Tensor", &hetero_run_cpu::nvfp4_dequant);
   m.def("dense_linear(Tensor x, Tensor w, int path=0, bool bf16_out=False) -> Tensor", &hetero_run_cpu::dense_linear);
+  m.def("nvfp4_linear_i8(Tensor x, Tensor codes, Tensor block_scale, Tensor row_scale, int path=0) -> Tensor",
+        &hetero_run_cpu::nvfp4_linear_i8);
+  m.def("nvfp4_i8_quantize(Tensor x, int path=0) -> Tensor", &hetero_run_cpu::nvfp4_i8_quantize);
   m.def("round_bf16_(Tensor(a!) y) -> Tensor(a!)", &hetero_run_cpu::round_bf16_);
   m.def("cpu_features() -> int", &hetero_run_cpu::cpu_features);
   m.def("cpu_supported_features() -> int", &hetero_run_cpu::cpu_supported_features);

@@ -15,11 +15,12 @@
 //             cos [positions, head_dim] f32, sin [positions, head_dim] f32 (rotate-half sign folded in),
 //             k_cache, v_cache [slots, layers, kv_heads, max_tokens, head_dim] (bf16 | f32))
 //   set_norms(layer, input_norm f32 [hidden], post_norm f32 [hidden], qk_norm f32 [heads + kv_heads, head_dim]?)
-//   set_proj(layer, which, w?, codes?, block_scale?, row_scale?, bias?, bf16_x)
+//   set_proj(layer, which, w?, codes?, block_scale?, row_scale?, bias?, bf16_x, int8_x)
 //       which: 0 qkv, 1 o, 2 gate_up (gate rows, then up rows), 3 down; layer -1 sets head number `which`
 //       dense: w [out, in] bf16 | f32; NVFP4: codes u8 [out, in/2],
 //       block_scale u8 (e4m3 bits) [out, in/16], row_scale f32 [out]; bias f32 [out]; bf16_x: x is
-//       rounded to bf16 first (bf16 or NVFP4 weights: the kernels' bf16 dot products)
+//       rounded to bf16 first (bf16 or NVFP4 weights: the kernels' bf16 dot products); int8_x: x is
+//       quantised to int8 (NVFP4 weights: hetero_run::nvfp4_linear_i8's kernel)
 //   set_paths(few, many, from), paths() -> (few, many, from): the projections' kernels, 0 the best
 //       the CPU allows (the registered ops' path 0), 1 the same without AMX (path 1); a forward of
 //       fewer than `from` rows takes `few`, one of `from` rows or more `many`
@@ -462,6 +463,7 @@ class Failure {
 struct Proj {
   Tensor w, codes, scales, row_scale, bias;
   bool bf16_x = false;
+  bool int8_x = false;  // NVFP4 times x quantised to int8 (hetero_run::nvfp4_linear_i8's kernel)
   int64_t out = 0, in = 0;
 
   bool set() const { return out > 0; }
@@ -505,8 +507,10 @@ Tensor contiguous_as(const Tensor& t, at::ScalarType dtype, const char* name) {
 }
 
 Proj make_proj(const std::optional<Tensor>& w, const std::optional<Tensor>& codes, const std::optional<Tensor>& scales,
-               const std::optional<Tensor>& row_scale, const std::optional<Tensor>& bias, bool bf16_x) {
+               const std::optional<Tensor>& row_scale, const std::optional<Tensor>& bias, bool bf16_x, bool int8_x) {
   Proj p;
+  HR_CHECK(!(bf16_x && int8_x), "a projection takes bf16 or int8 activations, not both");
+  HR_CHECK(!int8_x || codes.has_value(), "int8 activations need NVFP4 weights");
   if (codes.has_value()) {
     HR_CHECK(!w.has_value() && scales.has_value() && row_scale.has_value(),
              "an NVFP4 projection takes codes, block_scale and row_scale, and no dense w");
@@ -520,6 +524,7 @@ Proj make_proj(const std::optional<Tensor>& w, const std::optional<Tensor>& code
     p.out = p.codes.size(0);
     p.in = p.codes.size(1) * 2;
     p.bf16_x = bf16_x;
+    p.int8_x = int8_x;
   } else {
     HR_CHECK(w.has_value(), "a projection needs a dense w or NVFP4 codes");
     HR_CHECK(w->scalar_type() == at::kBFloat16 || w->scalar_type() == at::kFloat, "w must be bf16 or f32");
@@ -595,8 +600,9 @@ struct DraftStep : torch::CustomClassHolder {
   }
 
   void set_proj(int64_t layer, int64_t which, std::optional<Tensor> w, std::optional<Tensor> codes,
-                std::optional<Tensor> scales, std::optional<Tensor> row_scale, std::optional<Tensor> bias, bool bf16_x) {
-    Proj p = make_proj(w, codes, scales, row_scale, bias, bf16_x);
+                std::optional<Tensor> scales, std::optional<Tensor> row_scale, std::optional<Tensor> bias, bool bf16_x,
+                bool int8_x) {
+    Proj p = make_proj(w, codes, scales, row_scale, bias, bf16_x, int8_x);
     if (layer == -1) {
       HR_CHECK(which >= 0, "head numbers start at 0, got ", which);
       HR_CHECK(p.in == hidden, "a head takes ", hidden, " inputs, got ", p.in);
@@ -747,6 +753,7 @@ struct DraftStep : torch::CustomClassHolder {
       uint16_t* xbd = nullptr;
       float* yd = nullptr;
       std::vector<float> rotated, scores, gate;
+      std::vector<uint8_t> xq;  // this thread's int8 copy of a product's input (int8_x projections)
       failure.guard([&] {  // a failed allocation skips every phase, not a barrier
         x = at::empty({n, hidden}, f32);
         xb = at::empty({n, hidden}, at::kBFloat16);
@@ -762,10 +769,21 @@ struct DraftStep : torch::CustomClassHolder {
         for (int64_t r = first; r < n; ++r) rms_norm_row(hd + r * hidden, w, hidden, feps, xd + (r - first) * hidden);
         if (bf16) to_bf16(xd, (n - first) * hidden, xbd);
       };
+      // `in` quantised into xq for an int8_x projection (each thread its own copy: no barrier)
+      auto prepare = [&](const Proj& p, const Tensor& in) {
+        if (!p.int8_x) return;
+        const int64_t rows = in.size(0), width = in.size(1);
+        xq.resize(rows * hetero_run_cpu::i8_groups(width) * hetero_run_cpu::kI8GroupBytes);
+        hetero_run_cpu::quantize_i8_rows(in.data_ptr<float>(), rows, width, xq.data());
+      };
       // rows [a, b) of p's output for every row of `in` into y [rows of in, b - a], bias added
+      // (an int8_x projection reads `in` as prepare() left it in xq)
       auto product = [&](const Proj& p, const Tensor& in, int64_t a, int64_t b) {
         if (a >= b) return;
-        if (p.codes.defined())
+        if (p.int8_x)
+          hetero_run_cpu::nvfp4_i8_linear_rows(xq.data(), in.size(0), in.size(1), p.codes, p.scales, p.row_scale, a, b,
+                                               yd);
+        else if (p.codes.defined())
           hetero_run_cpu::nvfp4_linear_rows(in, p.codes, p.scales, p.row_scale, a, b, yd, path);
         else
           hetero_run_cpu::dense_linear_rows(in, p.w, a, b, yd, path);
@@ -786,6 +804,7 @@ struct DraftStep : torch::CustomClassHolder {
         failure.guard([&] {
           normed(ly.input_norm.data_ptr<float>(), pqkv.bf16_x);
           const auto [a, b] = share(pqkv.out, tm);
+          prepare(pqkv, x);
           product(pqkv, pqkv.bf16_x ? xb : x, a, b);
           for (int64_t r = 0; r < n; ++r) std::memcpy(qd + r * qkv_width + a, yd + r * (b - a), (b - a) * sizeof(float));
         });
@@ -833,6 +852,7 @@ struct DraftStep : torch::CustomClassHolder {
         // h += o(att), each thread its share of h's columns
         failure.guard([&] {
           const auto [a, b] = share(po.out, tm);
+          prepare(po, att);
           product(po, po.bf16_x ? att_b : att, a, b);
           add_into(hd, hidden, yd, n, a, b);
         });
@@ -844,6 +864,7 @@ struct DraftStep : torch::CustomClassHolder {
           const Tensor& in = pgu.bf16_x ? xb : x;
           const int64_t w = b - a;
           if (w > 0) {
+            prepare(pgu, in);
             product(pgu, in, a, b);  // gate rows into y [n, w]
             gate.assign(yd, yd + n * w);
             product(pgu, in, li + a, li + b);  // up rows
@@ -859,6 +880,7 @@ struct DraftStep : torch::CustomClassHolder {
         failure.guard([&] {
           const auto [a, b] = share(pdown.out, tm);
           const Tensor in = pdown.bf16_x ? at::from_blob(actbd, {n, li}, at::kBFloat16) : at::from_blob(actd, {n, li}, f32);
+          prepare(pdown, in);
           product(pdown, in, a, b);
           add_into(hd, hidden, yd, n, a, b);
         });
@@ -868,7 +890,9 @@ struct DraftStep : torch::CustomClassHolder {
       failure.guard([&] {
         normed(norm.data_ptr<float>(), out_head.bf16_x, first_out);
         const auto [a, b] = share(out_head.out, tm);
-        product(out_head, out_head.bf16_x ? xb.narrow(0, 0, n_out) : x.narrow(0, 0, n_out), a, b);
+        const Tensor in = out_head.bf16_x ? xb.narrow(0, 0, n_out) : x.narrow(0, 0, n_out);
+        prepare(out_head, in);
+        product(out_head, in, a, b);
         for (int64_t r = 0; r < n_out; ++r)
           std::memcpy(ld + r * out_head.out + a, yd + r * (b - a), (b - a) * sizeof(float));
       });

@@ -19,4 +19,11 @@ void nvfp4_linear_rows(const at::Tensor& x, const at::Tensor& codes, const at::T
 void dense_linear_rows(const at::Tensor& x, const at::Tensor& w, int64_t r0, int64_t r1, float* y,
                        int64_t path = 0);
 
+// hetero_run::nvfp4_linear_i8, path 0, in two parts: the n rows of x [n, in] quantised (nvfp4_int8.cpp's
+// layout, i8_groups(in) * kI8GroupBytes bytes a row) into xq, then output rows r0 .. r1 - 1 of xq
+// times the NVFP4 weights into y [n, r1 - r0], on the calling thread.
+void quantize_i8_rows(const float* x, int64_t n, int64_t in, uint8_t* xq);
+void nvfp4_i8_linear_rows(const uint8_t* xq, int64_t n, int64_t in, const at::Tensor& codes,
+                          const at::Tensor& block_scale, const at::Tensor& row_scale, int64_t r0, int64_t r1, float* y);
+
 }  // namespace hetero_run_cpu

@@ -234,9 +234,9 @@ def _fast(converted: Path, dtype: torch.dtype, weights: str, slots: int, max_tok
 def _fast_from(step_weights, tokenizer, source: Path, weights: str, slots: int, max_tokens: int,
                begin: float) -> Drafter:
     from hetero_run.runtime.drafters.network import DraftNetwork
-    from hetero_run.runtime.drafters.weights import with_bf16_activations
+    from hetero_run.runtime.drafters.weights import with_fast_activations
 
-    network = DraftNetwork(with_bf16_activations(step_weights), slots, max_tokens)
+    network = DraftNetwork(with_fast_activations(step_weights), slots, max_tokens)
     log.info("drafter %s: fast drafter, %s weights, %d slot(s), %.1f MB read per token, loaded in %.1f s",
              source.name, weights, slots, step_weights.decode_nbytes() / 1e6, time.perf_counter() - begin)
     return Drafter(None, tokenizer, str(source), network)

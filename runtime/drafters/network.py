@@ -51,10 +51,10 @@ class DraftNetwork:
     @classmethod
     def from_model(cls, model, slots: int = 1, max_tokens: int | None = None, **kwargs) -> DraftNetwork:
         """From a runtime model at TP size 1 (its layer objects; weights shared, not copied)."""
-        from hetero_run.runtime.drafters.weights import from_model, with_bf16_activations
+        from hetero_run.runtime.drafters.weights import from_model, with_fast_activations
 
         max_tokens = max_tokens or getattr(model, "max_tokens", None) or 4096
-        return cls(with_bf16_activations(from_model(model)), slots, max_tokens, **kwargs)
+        return cls(with_fast_activations(from_model(model)), slots, max_tokens, **kwargs)
 
     # ---------------------------------------------------------------- slots
 

@@ -115,14 +115,27 @@ def kind(weights: StepWeights) -> str:
     return "nvfp4" if weights.layers[0].qkv.nvfp4 else "dense"
 
 
-def with_bf16_activations(weights: StepWeights) -> StepWeights:
-    """In a bf16 drafter, let bf16 and NVFP4 weights multiply bf16-rounded activations where the
-    CPU has bf16 dot products (twice the multiply rate of widening the weights; the drafts change
-    slightly, the output stays the target's). A float32 drafter keeps float32 activations."""
-    able = bool(cpu_ext.features() & (cpu_ext.FEATURE_AVX512_BF16 | cpu_ext.FEATURE_AMX))
+def with_fast_activations(weights: StepWeights, int8: bool | None = None) -> StepWeights:
+    """The activations each projection multiplies, for the fastest kernels the CPU has. The
+    drafts change slightly; the output stays the target's.
+
+    - bf16 (in a bf16 drafter, for bf16 and NVFP4 weights) where the CPU has bf16 dot products:
+      twice the multiply rate of widening the weights.
+    - int8 (NVFP4 weights; `int8=None`: in a bf16 drafter where the kernels may use AVX2 but not
+      AVX-512): each block of 16 activations quantised with its own scale, then integer dot
+      products (`nvfp4_linear_i8`); on AVX2 the E2M1 decode and widening of the float paths
+      made the step compute-bound at a quarter of the memory's speed. `int8=True` forces it wherever the
+      compiled kernels are (any x86 CPU with AVX2; the portable loops elsewhere), False never.
+    - float32 otherwise (and in a float32 drafter, unless int8 is forced)."""
+    features = cpu_ext.features()
+    able = bool(features & (cpu_ext.FEATURE_AVX512_BF16 | cpu_ext.FEATURE_AMX))
     bf16 = weights.embed.dtype == torch.bfloat16
+    if int8 is None:
+        int8 = bf16 and bool(features & cpu_ext.FEATURE_AVX2) and not features & cpu_ext.FEATURE_AVX512
+    int8 = int8 and cpu_ext.ops() is not None
     for p in _projections(weights):
-        p.bf16_x = able and bf16 and (p.nvfp4 or p.weight.dtype == torch.bfloat16)
+        p.int8_x = int8 and p.nvfp4
+        p.bf16_x = not p.int8_x and able and bf16 and (p.nvfp4 or p.weight.dtype == torch.bfloat16)
     return weights
 
 

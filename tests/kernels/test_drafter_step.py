@@ -43,10 +43,10 @@ WIDE = Shape(hidden=256, heads=4, kv_heads=2, d=64, inter=768, vocab=300)
 def _projection(out: int, inp: int, kind: str, g: torch.Generator, bias: bool = False) -> Projection:
     w = torch.randn(out, inp, generator=g) * 0.2
     b = torch.randn(out, generator=g) * 0.1 if bias else None
-    if kind == "nvfp4":
+    if kind in ("nvfp4", "nvfp4i8"):  # nvfp4i8: times int8 activations
         q = nvfp4.quantize(w)
         return Projection(codes=q.codes, block_scale=q.block_scale, row_scale=q.global_scale.expand(out).clone(),
-                          bias=b)
+                          bias=b, int8_x=kind == "nvfp4i8")
     if kind == "bf16":
         return Projection(weight=w.bfloat16(), bias=b, bf16_x=True)
     return Projection(weight=w, bias=b)
@@ -108,7 +108,8 @@ SCRIPT = [  # prefill slot 1, then slot 0, then a step mixing three slots, then 
 @needs_compiled
 @pytest.mark.parametrize("kind, cache_dtype, qkv_bias, qk_norm", [
     ("fp32", torch.float32, False, False), ("fp32", torch.float32, True, True), ("bf16", torch.bfloat16, True, False),
-    ("nvfp4", torch.bfloat16, False, True), ("nvfp4", torch.float32, False, False)])
+    ("nvfp4", torch.bfloat16, False, True), ("nvfp4", torch.float32, False, False),
+    ("nvfp4i8", torch.float32, True, True), ("nvfp4i8", torch.bfloat16, False, False)])
 def test_compiled_step_matches_the_reference(step_width, kind, cache_dtype, qkv_bias, qk_norm):
     weights = tiny_weights(kind, qkv_bias, qk_norm)
     compiled, reference = make_step(weights, cache_dtype, True), make_step(weights, cache_dtype, False)
@@ -121,7 +122,7 @@ def test_compiled_step_matches_the_reference(step_width, kind, cache_dtype, qkv_
     torch.testing.assert_close(compiled.v_cache.float(), reference.v_cache.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("kind", ["fp32", "bf16", "nvfp4"])
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "nvfp4", "nvfp4i8"])
 def test_rows_of_a_batched_forward_equal_each_row_alone(compiled, kind):
     weights = tiny_weights(kind, qkv_bias=True, seed=2)
     batched, alone = make_step(weights, compiled=compiled), make_step(weights, compiled=compiled)
@@ -194,7 +195,7 @@ def test_last_gives_the_last_rows_logits_alone(compiled, kind, shape):
 
 @needs_compiled
 @pytest.mark.parametrize("kind, qkv_bias, qk_norm", [("fp32", True, True), ("bf16", False, False),
-                                                     ("nvfp4", True, False)])
+                                                     ("nvfp4", True, False), ("nvfp4i8", False, True)])
 def test_a_step_shared_between_threads_has_the_bits_of_one_thread(step_width, kind, qkv_bias, qk_norm):
     """The compiled step splits each projection's rows and the attention between threads; every
     logit and cache entry keeps the bits it gets on one thread, for one row and for several."""

@@ -9,7 +9,13 @@ import torch
 
 from hetero_run.kernels import cpu_ext, cpu_isa, nvfp4, nvfp4_gpu
 from hetero_run.kernels.dense_linear import dense_linear, dense_linear_reference
-from hetero_run.kernels.nvfp4_linear import nvfp4_dequantize, nvfp4_linear
+from hetero_run.kernels.nvfp4_linear import (
+    linear_i8_reference,
+    nvfp4_dequantize,
+    nvfp4_linear,
+    nvfp4_linear_i8,
+    quantize_i8_reference,
+)
 
 needs_lib = pytest.mark.skipif(cpu_ext.ops() is None, reason="compiled CPU kernels unavailable here")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
@@ -361,3 +367,120 @@ def test_cuda_tensors_take_the_cuda_functions():
     dev = torch.device("cuda")
     args = (codes.to(dev), scale.to(dev), row_scale.to(dev))
     assert torch.equal(nvfp4_linear(x.to(dev), *args), nvfp4_gpu.linear_weight_only(x.to(dev), *args))
+
+
+# ---------------------------------------------------------------- int8 activations (the drafter's kernel)
+
+I8_PATHS = {"avx2": 5, "portable": 6}
+
+
+def _i8_path(name: str) -> int:
+    lib = cpu_ext.ops()
+    if lib is None:
+        pytest.skip("the compiled kernels do not build here")
+    if name == "avx2" and not lib.cpu_supported_features() & cpu_ext.FEATURE_AVX2:
+        pytest.skip("this CPU has no AVX2 (CPUID / OS)")
+    return I8_PATHS[name]
+
+
+def _unpack_i8(xq: torch.Tensor, n: int, inp: int):
+    """A quantised row (csrc/nvfp4_int8.cpp's layout) -> q int8 [n, inp], corr int32 [n, groups, 8],
+    lane scales float32 [n, groups, 8]."""
+    g = xq.view(n, -1, 128)
+    q = torch.stack([g[..., :32], g[..., 32:64]], dim=-1).reshape(n, -1).view(torch.int8)[:, :inp]
+    return q, g[..., 64:96].contiguous().view(torch.int32), g[..., 96:].contiguous().view(torch.float32)
+
+
+@pytest.mark.parametrize("path", list(I8_PATHS))
+@pytest.mark.parametrize("inp", [16, 48, 64, 80, 576, 1536])
+def test_int8_quantisation_is_the_reference_one(path, inp):
+    """Each block of 16 quantised with its own scale, rounded to even, zero blocks and the zero
+    padding of a last partial group included; the offsets' sums and the lane scales beside it."""
+    p = _i8_path(path)
+    lib = cpu_ext.ops()
+    g = torch.Generator().manual_seed(inp)
+    x = torch.randn(3, inp, generator=g) * torch.logspace(-3, 3, inp)  # blocks of very different sizes
+    x[0, :16] = 0
+    x[1, :8] = torch.tensor([2.5, -2.5, 0.5, 1.5, 127.0, -127.0, 63.5, 0.0])  # ties at the scale 1
+    x[1, 8:16] = 0
+    x[1, 4] = 127.0
+    q, corr, lanes = _unpack_i8(lib.nvfp4_i8_quantize(x, p), 3, inp)
+    want_q, want_a = quantize_i8_reference(x)
+    assert torch.equal(q, want_q)
+    groups = -(-inp // 64)
+    padded = torch.zeros(3, groups * 64, dtype=torch.int32)
+    padded[:, :inp] = want_q.int()
+    assert torch.equal(corr, 12 * padded.view(3, groups, 8, 8).sum(-1))
+    a = torch.zeros(3, groups * 4)
+    a[:, :inp // 16] = want_a
+    assert torch.equal(lanes, a.view(3, groups, 4).repeat_interleave(2, dim=-1))
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(50, 576), (21, 1536)])
+def test_int8_paths_give_the_same_bits_for_every_row_alone(shape):
+    """The AVX2 kernel and the portable loops: one set of bits, each row as it is alone, and
+    within float32 rounding of the same sums in float64 from the same quantised activations."""
+    if cpu_ext.ops() is None:
+        pytest.skip("the compiled kernels do not build here")
+    lib = cpu_ext.ops()
+    codes, scale, row_scale = _weight(*shape)
+    raw = scale.view(torch.uint8)
+    x = torch.randn(17, shape[1]) * 4
+    portable = lib.nvfp4_linear_i8(x, codes, raw, row_scale, 6)
+    _close(portable, linear_i8_reference(x, codes, scale, row_scale))
+    assert torch.equal(nvfp4_linear_i8(x, codes, scale, row_scale), lib.nvfp4_linear_i8(x, codes, raw, row_scale, 0))
+    if not lib.cpu_supported_features() & cpu_ext.FEATURE_AVX2:
+        return
+    avx2 = lib.nvfp4_linear_i8(x, codes, raw, row_scale, 5)
+    assert torch.equal(avx2, portable)
+    for n in (1, 2, 3, 4, 5, 9):
+        assert torch.equal(lib.nvfp4_linear_i8(x[:n], codes, raw, row_scale, 5), avx2[:n]), n
+    for i in (0, 6, 16):
+        assert torch.equal(lib.nvfp4_linear_i8(x[i:i + 1], codes, raw, row_scale, 5), avx2[i:i + 1]), i
+
+
+@pytest.mark.parametrize("path", list(I8_PATHS))
+def test_int8_kernels_take_scales_of_every_kind_with_denormals_flushed(path):
+    """Negative, zero and subnormal block scales (exact as integers, no float denormal), in rows
+    beside ordinary ones, also on a thread that flushes denormals."""
+    p = _i8_path(path)
+    lib = cpu_ext.ops()
+    codes, scale, row_scale = _weight(8, 512, seed=3)
+    raw = scale.view(torch.uint8).clone()
+    raw[0, 3] |= 0x80
+    raw[2, 5] = 0x03
+    raw[3, 17] = 0x00
+    raw[4, 31] = 0x80
+    raw[5] = torch.randint(1, 8, (32,), dtype=torch.uint8)  # every scale subnormal
+    x = torch.randn(3, 512)
+    want = linear_i8_reference(x, codes, raw.view(torch.float8_e4m3fn), row_scale)
+    _close(lib.nvfp4_linear_i8(x, codes, raw, row_scale, p), want)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        _close(lib.nvfp4_linear_i8(x, codes, raw, row_scale, p), want)
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def test_int8_activations_stay_close_to_the_float_kernels():
+    """What the drafter gives up: int8 rounding of each block, a fraction of a percent of the
+    largest output here."""
+    codes, scale, row_scale = _weight(64, 576, seed=2)
+    x = torch.randn(4, 576)
+    err = (nvfp4_linear_i8(x, codes, scale, row_scale) - nvfp4.linear_reference(x, codes, scale, row_scale)).abs()
+    assert err.max() <= 0.02 * nvfp4.linear_reference(x, codes, scale, row_scale).abs().max()
+
+
+def test_int8_kernels_refuse_what_they_cannot_take():
+    lib = cpu_ext.ops()
+    if lib is None:
+        pytest.skip("the compiled kernels do not build here")
+    codes, scale, row_scale = _weight(4, 64)
+    raw = scale.view(torch.uint8)
+    with pytest.raises(RuntimeError, match="x must be float32"):
+        lib.nvfp4_linear_i8(torch.randn(2, 64).bfloat16(), codes, raw, row_scale, 0)
+    with pytest.raises(RuntimeError, match="take path 0, 5 .AVX2. or 6 .portable., got 3"):
+        lib.nvfp4_linear_i8(torch.randn(2, 64), codes, raw, row_scale, 3)
+    with pytest.raises(RuntimeError, match="codes have 64 inputs, x has 32"):
+        lib.nvfp4_linear_i8(torch.randn(2, 32), codes, raw, row_scale, 0)

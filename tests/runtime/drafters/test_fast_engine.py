@@ -41,7 +41,7 @@ def reference(prompt: str, n: int = 40) -> list[int]:
 @pytest.mark.parametrize("kind", ["bf16", "nvfp4"])
 @pytest.mark.parametrize("algorithm", ["slem", "tli", "slrs"])
 def test_greedy_output_is_the_target_alones(algorithm, kind):
-    network = DraftNetwork(draft_weights.with_bf16_activations(drafter_weights(kind)), slots=3, max_tokens=512)
+    network = DraftNetwork(draft_weights.with_fast_activations(drafter_weights(kind)), slots=3, max_tokens=512)
     drafter = Drafter(None, support.sentencepiece(), "fast-drafter", network)
     runner = TargetRunner(load_model(target_model(), max_tokens=512, dtype=torch.float32))
     engine = SpeculativeEngine(runner, support.byte_level(), drafter, SpeculationConfig(algorithm=algorithm))

@@ -39,7 +39,7 @@ def step_weights(kind: str):
 def network(kind: str = "bf16", slots: int = 4, max_tokens: int = 64):
     if kind == "hf":
         return HFDraftNetwork(hf_model(), slots, max_tokens)
-    return DraftNetwork(draft_weights.with_bf16_activations(step_weights(kind)), slots, max_tokens)
+    return DraftNetwork(draft_weights.with_fast_activations(step_weights(kind)), slots, max_tokens)
 
 
 def prefill(net, prompts=PROMPTS) -> list[int]:

@@ -39,7 +39,7 @@ def test_kernel_calibration_keeps_the_faster_of_amx_and_the_vector_kernels():
     target = load_model(support.tiny_model(support.sentencepiece(), "llama", seed=1), max_tokens=64,
                         dtype=torch.float32)
     dense = draft_weights.from_model(target)
-    bf16 = DraftNetwork(draft_weights.with_bf16_activations(draft_weights.quantize(dense)), 1, 64)
+    bf16 = DraftNetwork(draft_weights.with_fast_activations(draft_weights.quantize(dense)), 1, 64)
     model = FastDraftModel(bf16, bf16.acquire())
     choices = bf16.step.kernel_choices()
     chosen = calibrate_kernels(model)
