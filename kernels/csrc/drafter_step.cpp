@@ -306,27 +306,10 @@ DS_AVX512 void attend_avx512(const float* q, int64_t group, const T* K, const T*
   }
 }
 
-// The same 8 lanes wide (AVX2), for d a multiple of 8.
-template <typename T>
-DS_AVX2 void attend_avx2(const float* q, int64_t group, const T* K, const T* V, int64_t keys, int64_t d,
-                         const bool* valid, float* scores, float* out) {
-  const int64_t parts = d / 8;
+// Each of `group` rows of scores [keys] (-inf: a key not seen) -> its softmax numerators, in
+// place, 8 keys at a time; inv[g] = 1 / their sum.
+DS_AVX2 void softmax_avx2(float* scores, int64_t group, int64_t keys, float* inv) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t j = 0; j < keys; ++j) {
-    if (valid && !valid[j]) {
-      for (int64_t g = 0; g < group; ++g) scores[g * keys + j] = ninf;
-      continue;
-    }
-    __m256 k[kMaxD / 8];
-    for (int64_t c = 0; c < parts; ++c) k[c] = load8(K + j * d + 8 * c);
-    for (int64_t g = 0; g < group; ++g) {
-      const float* qg = q + g * d;
-      __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qg), k[0]);
-      for (int64_t c = 1; c < parts; ++c) s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), k[c], s);
-      scores[g * keys + j] = reduce8(s);
-    }
-  }
-  std::vector<float> inv(group);
   for (int64_t g = 0; g < group; ++g) {  // softmax numerators in place, 8 keys at a time
     float* s = scores + g * keys;
     __m256 top = _mm256_set1_ps(ninf);
@@ -349,6 +332,124 @@ DS_AVX2 void attend_avx2(const float* q, int64_t group, const T* K, const T* V, 
     }
     inv[g] = 1.f / reduce8(sum);
   }
+}
+
+// count values of a cache as float32: the cache itself (float32) or `wide`, widened into it
+// (bf16). The next count values are asked for from memory meanwhile (a long context's keys and
+// values stream from memory at every step; the prefetchers alone left the loop waiting).
+template <typename T>
+DS_AVX2 inline void prefetch_next(const T* src, int64_t count) {
+  const char* next = reinterpret_cast<const char*>(src + count);
+  for (int64_t b = 0; b < count * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+}
+DS_AVX2 inline const float* widened(const float* src, int64_t count, float*) {
+  prefetch_next(src, count);
+  return src;
+}
+DS_AVX2 inline const float* widened(const uint16_t* src, int64_t count, float* wide) {
+  prefetch_next(src, count);
+  for (int64_t e = 0; e < count; e += 8) _mm256_storeu_ps(wide + e, load8(src + e));
+  return wide;
+}
+
+// Head size d = 8 P (64, 128) known at compile time. Keys and values go 32 at a time: a bf16
+// chunk is widened once into an L1 copy that every query head of the group reads (the float
+// loop above widens each key again for each value pass, and runs one chain of dependent FMAs per
+// score). Each head's scores take 4 keys' chains side by side, summed by one hadd tree; each
+// head's output sums stay in registers over a chunk. A key not seen (valid[j] == 0) gets -inf,
+// so a weight of 0.
+template <typename T, int P>
+DS_AVX2 void attend_avx2_fixed(const float* q, int64_t group, const T* K, const T* V, int64_t keys, const bool* valid,
+                               float* scores, float* out) {
+  constexpr int64_t D = 8 * P, kChunk = 32, H = P > 8 ? 8 : P;  // H: output parts in registers at a time
+  alignas(32) float wide[kChunk * D];
+  auto rows = [&](const T* src, int64_t count) { return widened(src, count * D, wide); };
+  for (int64_t j0 = 0; j0 < keys; j0 += kChunk) {
+    const int64_t m = std::min(kChunk, keys - j0);
+    const float* k = rows(K + j0 * D, m);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * D;
+      float* s = scores + g * keys + j0;
+      int64_t j = 0;
+      for (; j + 4 <= m; j += 4) {
+        const float* kj = k + j * D;
+        const __m256 q0 = _mm256_loadu_ps(qg);
+        __m256 a0 = _mm256_mul_ps(q0, _mm256_loadu_ps(kj)), a1 = _mm256_mul_ps(q0, _mm256_loadu_ps(kj + D));
+        __m256 a2 = _mm256_mul_ps(q0, _mm256_loadu_ps(kj + 2 * D)), a3 = _mm256_mul_ps(q0, _mm256_loadu_ps(kj + 3 * D));
+        for (int c = 1; c < P; ++c) {
+          const __m256 qc = _mm256_loadu_ps(qg + 8 * c);
+          a0 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 8 * c), a0);
+          a1 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + D + 8 * c), a1);
+          a2 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 2 * D + 8 * c), a2);
+          a3 = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kj + 3 * D + 8 * c), a3);
+        }
+        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+        _mm_storeu_ps(s + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+      }
+      for (; j < m; ++j) {
+        __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k + j * D));
+        for (int c = 1; c < P; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(k + j * D + 8 * c), a);
+        s[j] = reduce8(a);
+      }
+    }
+  }
+  if (valid) {
+    const float ninf = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < keys; ++j)
+      if (!valid[j])
+        for (int64_t g = 0; g < group; ++g) scores[g * keys + j] = ninf;
+  }
+  float inv[64];
+  std::vector<float> more(group > 64 ? group : 0);
+  float* iv = group > 64 ? more.data() : inv;
+  softmax_avx2(scores, group, keys, iv);
+  std::fill(out, out + group * D, 0.f);
+  for (int64_t j0 = 0; j0 < keys; j0 += kChunk) {
+    const int64_t m = std::min(kChunk, keys - j0);
+    const float* v = rows(V + j0 * D, m);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* p = scores + g * keys + j0;
+      for (int c0 = 0; c0 < P; c0 += H) {
+        float* o = out + g * D + 8 * c0;
+        __m256 acc[H];
+        for (int c = 0; c < H; ++c) acc[c] = _mm256_loadu_ps(o + 8 * c);
+        for (int64_t j = 0; j < m; ++j) {
+          const __m256 pj = _mm256_set1_ps(p[j]);
+          const float* vj = v + j * D + 8 * c0;
+          for (int c = 0; c < H; ++c) acc[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vj + 8 * c), acc[c]);
+        }
+        for (int c = 0; c < H; ++c) _mm256_storeu_ps(o + 8 * c, acc[c]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const __m256 r = _mm256_set1_ps(iv[g]);
+    for (int c = 0; c < P; ++c) _mm256_storeu_ps(out + g * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(out + g * D + 8 * c), r));
+  }
+}
+
+// The same 8 lanes wide (AVX2), for d a multiple of 8.
+template <typename T>
+DS_AVX2 void attend_avx2(const float* q, int64_t group, const T* K, const T* V, int64_t keys, int64_t d,
+                         const bool* valid, float* scores, float* out) {
+  const int64_t parts = d / 8;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < keys; ++j) {
+    if (valid && !valid[j]) {
+      for (int64_t g = 0; g < group; ++g) scores[g * keys + j] = ninf;
+      continue;
+    }
+    __m256 k[kMaxD / 8];
+    for (int64_t c = 0; c < parts; ++c) k[c] = load8(K + j * d + 8 * c);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = q + g * d;
+      __m256 s = _mm256_mul_ps(_mm256_loadu_ps(qg), k[0]);
+      for (int64_t c = 1; c < parts; ++c) s = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), k[c], s);
+      scores[g * keys + j] = reduce8(s);
+    }
+  }
+  std::vector<float> inv(group);
+  softmax_avx2(scores, group, keys, inv.data());
   for (int64_t g0 = 0; g0 < group; g0 += 4) {  // weighted values, four heads per pass over V
     const int64_t g1 = std::min<int64_t>(group, g0 + 4);
     __m256 acc[4][kMaxD / 8];
@@ -376,6 +477,8 @@ void attend(const float* q, int64_t group, const T* K, const T* V, int64_t keys,
 #if DS_X86
   const int width = vector_width();
   if (width == 16 && d % 16 == 0 && d <= kMaxD) return attend_avx512(q, group, K, V, keys, d, valid, scores, out);
+  if (width == 8 && d == 64) return attend_avx2_fixed<T, 8>(q, group, K, V, keys, valid, scores, out);
+  if (width == 8 && d == 128) return attend_avx2_fixed<T, 16>(q, group, K, V, keys, valid, scores, out);
   if (width >= 8 && d % 8 == 0 && d <= kMaxD) return attend_avx2(q, group, K, V, keys, d, valid, scores, out);
 #endif
   attend_scalar(q, group, K, V, keys, d, valid, scores, out);

@@ -38,6 +38,9 @@ TINY = Shape()
 VOCAB, SLOTS, MAX_TOKENS = TINY.vocab, TINY.slots, TINY.max_tokens
 # a step of about 1.7 M multiply-adds a row: enough for the compiled step to share it between threads
 WIDE = Shape(hidden=256, heads=4, kv_heads=2, d=64, inter=768, vocab=300)
+# head sizes the AVX2 attention has a loop of its own for, over more keys than one of its chunks (32)
+HEAD64 = Shape(hidden=192, heads=3, kv_heads=1, d=64, inter=128, vocab=60, layers=1, max_tokens=48)
+HEAD128 = Shape(hidden=256, heads=4, kv_heads=2, d=128, inter=128, vocab=60, layers=1, max_tokens=48)
 
 
 def _projection(out: int, inp: int, kind: str, g: torch.Generator, bias: bool = False) -> Projection:
@@ -133,36 +136,44 @@ def test_rows_of_a_batched_forward_equal_each_row_alone(compiled, kind):
     assert torch.equal(batched.k_cache, alone.k_cache) and torch.equal(batched.v_cache, alone.v_cache)
 
 
-def _chain_logits(weights, tokens: list[int], compiled) -> torch.Tensor:
-    step = make_step(weights, torch.float32, compiled)
+def _chain_logits(weights, tokens: list[int], compiled, shape: Shape = TINY) -> torch.Tensor:
+    step = make_step(weights, torch.float32, compiled, shape=shape)
     return step.forward(*rows(*[(t, 0, i) for i, t in enumerate(tokens)]))
 
 
-def test_tree_rows_see_only_their_ancestors(compiled):
-    weights = tiny_weights("fp32", qk_norm=True, seed=3)
-    step = make_step(weights, torch.float32, compiled)
-    prefix = [3, 7, 11]
+@pytest.mark.parametrize("shape, cached", [(TINY, 3), (HEAD64, 37), (HEAD128, 37)], ids=["d16", "d64", "d128"])
+def test_tree_rows_see_only_their_ancestors(compiled, shape, cached):
+    weights = tiny_weights("fp32", qk_norm=True, seed=3, shape=shape)
+    step = make_step(weights, torch.float32, compiled, shape=shape)
+    prefix = [(3 + 4 * i) % shape.vocab for i in range(cached)]
     step.forward(*rows(*[(t, 0, i) for i, t in enumerate(prefix)]))
-    # nodes 0:a 1:b(<-a) 2:c(<-a) 3:d(<-c) at cache indices 3..6, positions 3 + depth
+    # nodes 0:a 1:b(<-a) 2:c(<-a) 3:d(<-c) at cache indices n..n+3, positions n + depth
     ids, parents = [20, 21, 22, 23], [-1, 0, 0, 2]
     depth = [0, 1, 1, 2]
-    mask = torch.zeros(4, 7, dtype=torch.bool)
-    mask[:, :3] = True
+    n = len(prefix)
+    mask = torch.zeros(4, n + 4, dtype=torch.bool)
+    mask[:, :n] = True
     for i, parent in enumerate(parents):
-        mask[i, 3 + i] = True
+        mask[i, n + i] = True
         while parent >= 0:
-            mask[i, 3 + parent] = True
+            mask[i, n + parent] = True
             parent = parents[parent]
-    logits = step.forward(torch.tensor(ids), torch.zeros(4, dtype=torch.long), torch.arange(3, 7),
-                          torch.tensor(depth) + 3, mask)
-    torch.testing.assert_close(logits[1], _chain_logits(weights, prefix + [20, 21], compiled)[-1], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits[3], _chain_logits(weights, prefix + [20, 22, 23], compiled)[-1], atol=1e-5,
-                               rtol=1e-5)
-    again = make_step(weights, torch.float32, compiled)  # a mask that hides nothing changes no bit
+    logits = step.forward(torch.tensor(ids), torch.zeros(4, dtype=torch.long), torch.arange(n, n + 4),
+                          torch.tensor(depth) + n, mask)
+    chain = (lambda tokens: _chain_logits(weights, prefix + tokens, compiled, shape)[-1])  # noqa: E731
+    torch.testing.assert_close(logits[1], chain([20, 21]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[3], chain([20, 22, 23]), atol=1e-5, rtol=1e-5)
+    again = make_step(weights, torch.float32, compiled, shape=shape)  # a mask that hides nothing changes no bit
     again.forward(*rows(*[(t, 0, i) for i, t in enumerate(prefix)]))
-    plain = again.forward(*rows((20, 0, 3)))
-    masked = again.forward(*rows((20, 0, 3)), torch.ones(1, 4, dtype=torch.bool))
+    plain = again.forward(*rows((20, 0, n)))
+    masked = again.forward(*rows((20, 0, n)), torch.ones(1, n + 1, dtype=torch.bool))
     assert torch.equal(plain, masked)
+    if compiled:  # and the compiled attention is the reference's
+        reference = make_step(weights, torch.float32, False, shape=shape)
+        reference.forward(*rows(*[(t, 0, i) for i, t in enumerate(prefix)]))
+        want = reference.forward(torch.tensor(ids), torch.zeros(4, dtype=torch.long), torch.arange(n, n + 4),
+                                 torch.tensor(depth) + n, mask)
+        torch.testing.assert_close(logits, want, atol=1e-4, rtol=1e-4)
 
 
 def test_an_extra_head_computes_its_rows(compiled):
