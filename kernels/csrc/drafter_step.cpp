@@ -52,6 +52,7 @@
 #include <mutex>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -388,7 +389,8 @@ DS_AVX2 void attend_avx2_fixed(const float* q, int64_t group, const T* K, const 
       }
       for (; j < m; ++j) {
         __m256 a = _mm256_mul_ps(_mm256_loadu_ps(qg), _mm256_loadu_ps(k + j * D));
-        for (int c = 1; c < P; ++c) a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(k + j * D + 8 * c), a);
+        for (int c = 1; c < P; ++c)
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * c), _mm256_loadu_ps(k + j * D + 8 * c), a);
         s[j] = reduce8(a);
       }
     }
@@ -424,7 +426,90 @@ DS_AVX2 void attend_avx2_fixed(const float* q, int64_t group, const T* K, const 
   }
   for (int64_t g = 0; g < group; ++g) {
     const __m256 r = _mm256_set1_ps(iv[g]);
-    for (int c = 0; c < P; ++c) _mm256_storeu_ps(out + g * D + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(out + g * D + 8 * c), r));
+    float* o = out + g * D;
+    for (int c = 0; c < P; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(o + 8 * c), r));
+  }
+}
+
+// 16 bf16 from p + 16 l; the floats of its even and odd elements.
+DS_AVX2 inline __m256i row(const uint16_t* p, int64_t l) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16 * l));
+}
+DS_AVX2 inline __m256 even(__m256i v) { return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)); }
+DS_AVX2 inline __m256 odd(__m256i v) {
+  return _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// Head size d = 8 P (64, 128), a bf16 cache, one head at a time read straight from the cache: a
+// 32-bit lane holding elements 2i and 2i + 1 gives both as float32 with one shift (the even one)
+// and one AND (the odd one, already in the high half), so the query and the output sums are kept
+// split the same way (even elements, odd elements) and interleaved once at the end. No widened
+// copy, so a query head needs none of its group's others: the step shares heads, not KV heads,
+// between threads. Scores 4 keys side by side (one hadd tree for the 4 sums); a key not seen
+// (valid[j] == 0) gets -inf, so a weight of 0.
+template <int P>
+DS_AVX2 void attend_avx2_bf16(const float* q, int64_t group, const uint16_t* K, const uint16_t* V, int64_t keys,
+                              const bool* valid, float* scores, float* out) {
+  constexpr int64_t D = 8 * P, L = P / 2;  // L loads of 16 bf16 a row
+  alignas(32) float qs[2 * D];  // per 16 elements: the 8 even ones, then the 8 odd ones
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * D;
+    for (int64_t l = 0; l < L; ++l)
+      for (int i = 0; i < 8; ++i) qs[16 * l + i] = qg[16 * l + 2 * i], qs[16 * l + 8 + i] = qg[16 * l + 2 * i + 1];
+    float* s = scores + g * keys;
+    int64_t j = 0;
+    for (; j + 4 <= keys; j += 4) {
+      const uint16_t* kj = K + j * D;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t l = 0; l < L; ++l) {
+        const __m256 qe = _mm256_load_ps(qs + 16 * l), qo = _mm256_load_ps(qs + 16 * l + 8);
+        const __m256i k0 = row(kj, l), k1 = row(kj + D, l), k2 = row(kj + 2 * D, l), k3 = row(kj + 3 * D, l);
+        a0 = _mm256_fmadd_ps(qo, odd(k0), _mm256_fmadd_ps(qe, even(k0), a0));
+        a1 = _mm256_fmadd_ps(qo, odd(k1), _mm256_fmadd_ps(qe, even(k1), a1));
+        a2 = _mm256_fmadd_ps(qo, odd(k2), _mm256_fmadd_ps(qe, even(k2), a2));
+        a3 = _mm256_fmadd_ps(qo, odd(k3), _mm256_fmadd_ps(qe, even(k3), a3));
+      }
+      _mm_prefetch(reinterpret_cast<const char*>(kj + 16 * D), _MM_HINT_T0);
+      const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      _mm_storeu_ps(s + j, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    }
+    for (; j < keys; ++j) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t l = 0; l < L; ++l) {
+        const __m256i k = row(K + j * D, l);
+        a = _mm256_fmadd_ps(_mm256_load_ps(qs + 16 * l), even(k), a);
+        a = _mm256_fmadd_ps(_mm256_load_ps(qs + 16 * l + 8), odd(k), a);
+      }
+      s[j] = reduce8(a);
+    }
+    if (valid)
+      for (int64_t k = 0; k < keys; ++k)
+        if (!valid[k]) s[k] = -std::numeric_limits<float>::infinity();
+    float inv;
+    softmax_avx2(s, 1, keys, &inv);
+    constexpr int64_t H = L > 4 ? 4 : L;  // loads of the row whose sums stay in registers at a time
+    for (int64_t l0 = 0; l0 < L; l0 += H) {
+      __m256 ae[H], ao[H];
+      for (int64_t l = 0; l < H; ++l) ae[l] = ao[l] = _mm256_setzero_ps();
+      for (int64_t k = 0; k < keys; ++k) {
+        const __m256 p = _mm256_set1_ps(s[k]);
+        const uint16_t* vk = V + k * D;
+        if ((k & 3) == 0) _mm_prefetch(reinterpret_cast<const char*>(vk + 16 * D + 16 * l0), _MM_HINT_T0);
+        for (int64_t l = 0; l < H; ++l) {
+          const __m256i v = row(vk, l0 + l);
+          ae[l] = _mm256_fmadd_ps(p, even(v), ae[l]);
+          ao[l] = _mm256_fmadd_ps(p, odd(v), ao[l]);
+        }
+      }
+      const __m256 r = _mm256_set1_ps(inv);
+      for (int64_t l = 0; l < H; ++l) {
+        const __m256 e = _mm256_mul_ps(ae[l], r), o = _mm256_mul_ps(ao[l], r);
+        const __m256 lo = _mm256_unpacklo_ps(e, o), hi = _mm256_unpackhi_ps(e, o);  // e0 o0 e1 o1 | e4 o4 e5 o5 ..
+        float* dst = out + g * D + 16 * (l0 + l);
+        _mm256_storeu_ps(dst, _mm256_permute2f128_ps(lo, hi, 0x20));
+        _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+      }
+    }
   }
 }
 
@@ -471,12 +556,27 @@ DS_AVX2 void attend_avx2(const float* q, int64_t group, const T* K, const T* V, 
 }
 #endif
 
+// Whether attend() reads the cache one query head at a time (attend_avx2_bf16), so the step may
+// give a KV head's query heads to different threads at no cost.
+template <typename T>
+bool attends_by_head(int64_t d) {
+#if DS_X86
+  return std::is_same_v<T, uint16_t> && vector_width() == 8 && (d == 64 || d == 128);
+#else
+  return false;
+#endif
+}
+
 template <typename T>
 void attend(const float* q, int64_t group, const T* K, const T* V, int64_t keys, int64_t d, const bool* valid,
             float* scores, float* out) {
 #if DS_X86
   const int width = vector_width();
   if (width == 16 && d % 16 == 0 && d <= kMaxD) return attend_avx512(q, group, K, V, keys, d, valid, scores, out);
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    if (width == 8 && d == 64) return attend_avx2_bf16<8>(q, group, K, V, keys, valid, scores, out);
+    if (width == 8 && d == 128) return attend_avx2_bf16<16>(q, group, K, V, keys, valid, scores, out);
+  }
   if (width == 8 && d == 64) return attend_avx2_fixed<T, 8>(q, group, K, V, keys, valid, scores, out);
   if (width == 8 && d == 128) return attend_avx2_fixed<T, 16>(q, group, K, V, keys, valid, scores, out);
   if (width >= 8 && d % 8 == 0 && d <= kMaxD) return attend_avx2(q, group, K, V, keys, d, valid, scores, out);
@@ -798,6 +898,7 @@ struct DraftStep : torch::CustomClassHolder {
     const int64_t group = heads / kv_heads, qkv_width = (heads + 2 * kv_heads) * d, half = d / 2;
     const int64_t max_tokens = k_cache.size(3);
     const float scale = 1.f / std::sqrt(static_cast<float>(d)), feps = static_cast<float>(eps);
+    const bool by_head = attends_by_head<T>(d);
     int64_t inter = 0;
     bool att_bf16 = false, act_bf16 = false;
     for (const Layer& ly : L) {
@@ -940,15 +1041,24 @@ struct DraftStep : torch::CustomClassHolder {
           }
         });
         tm.barrier(Ahead{});  // every row's keys and values are written before any row attends
+        // (row, KV head, part) tasks: a part is the whole group of query heads, or one head where
+        // the attention reads the cache per head (attends_by_head); a head's bits are the same
+        // either way
         failure.guard([&] {
-          for (int64_t t = t0; t < t1; ++t) {
-            const int64_t r = t / kv_heads, g = t % kv_heads, keys = ix[r] + 1;
-            scores.resize(group * keys);
+          const int64_t parts = by_head ? group : 1;
+          int64_t a0, a1;
+          std::tie(a0, a1) = share_tasks(n * kv_heads * parts, tm);
+          for (int64_t t = a0; t < a1; ++t) {
+            const int64_t r = t / (kv_heads * parts), g = (t / parts) % kv_heads, part = t % parts;
+            const int64_t h0 = part * group / parts, h1 = (part + 1) * group / parts;
+            const int64_t first = g * group + h0, count = h1 - h0;
+            const int64_t keys = ix[r] + 1;
+            scores.resize(count * keys);
             const int64_t base = ((sl[r] * layers + l) * kv_heads + g) * max_tokens * d;
-            float* out = ad + r * heads * d + g * group * d;
-            attend<T>(qd + r * qkv_width + g * group * d, group, kc + base, vc + base, keys, d,
+            float* out = ad + r * heads * d + first * d;
+            attend<T>(qd + r * qkv_width + first * d, count, kc + base, vc + base, keys, d,
                       mk ? mk + r * mask_stride : nullptr, scores.data(), out);
-            if (po.bf16_x) to_bf16(out, group * d, abd + r * heads * d + g * group * d);
+            if (po.bf16_x) to_bf16(out, count * d, abd + r * heads * d + first * d);
           }
         });
         tm.barrier(Ahead{});

@@ -241,7 +241,8 @@ HR_AVX2 inline void i8_tile(const uint8_t* xq, int64_t xbytes, int64_t in, const
     i8_group<R, T, normal>(xq + g * kI8GroupBytes, xbytes, c, s, acc);
   }
   if (full < i8_groups(in)) {
-    const TailGroup first(cr[0] + full * 32, sr[0] + full * 4, in), last(cr[R - 1] + full * 32, sr[R - 1] + full * 4, in);
+    const TailGroup first(cr[0] + full * 32, sr[0] + full * 4, in);
+    const TailGroup last(cr[R - 1] + full * 32, sr[R - 1] + full * 4, in);
     c[0] = first.codes, s[0] = first.scales;
     c[R - 1] = last.codes, s[R - 1] = last.scales;
     i8_group<R, T, normal>(xq + full * kI8GroupBytes, xbytes, c, s, acc);
