@@ -1042,10 +1042,10 @@ struct DraftStep : torch::CustomClassHolder {
         });
         tm.barrier(Ahead{});  // every row's keys and values are written before any row attends
         // (row, KV head, part) tasks: a part is the whole group of query heads, or one head where
-        // the attention reads the cache per head (attends_by_head); a head's bits are the same
-        // either way
+        // the attention reads the cache per head (attends_by_head) and the KV heads are too few to
+        // keep the threads equally busy (3 on 2 threads); a head's bits are the same either way
         failure.guard([&] {
-          const int64_t parts = by_head ? group : 1;
+          const int64_t parts = by_head && n * kv_heads < 4 * tm.size ? group : 1;  // few tasks: share heads
           int64_t a0, a1;
           std::tie(a0, a1) = share_tasks(n * kv_heads * parts, tm);
           for (int64_t t = a0; t < a1; ++t) {
