@@ -331,15 +331,14 @@ at::Tensor nvfp4_linear_i8(const at::Tensor& x, const at::Tensor& codes, const a
   const bool avx2 = i8_avx2(path);
   at::Tensor y = at::empty({n, out}, x.options());
   if (n == 0 || out == 0) return y;
-  const at::Tensor xq = nvfp4_i8_quantize(x, avx2 ? kPathAvx2 : kPathPortable);
+  std::vector<uint8_t> xq(n * i8_groups(in) * kI8GroupBytes);
+  quantize_i8(avx2, x.data_ptr<float>(), n, in, xq.data());
   const uint8_t* cd = codes.data_ptr<uint8_t>();
   const uint8_t* sd = scales.data_ptr<uint8_t>();
   const float* rs = row_scale.data_ptr<float>();
   float* yd = y.data_ptr<float>();
   at::parallel_for(0, out, grain_rows(in / 2 + in / kGroup), [&](int64_t r0, int64_t r1) {
-    std::vector<float> part(n * (r1 - r0));
-    nvfp4_i8_rows(avx2, xq.data_ptr<uint8_t>(), n, in, cd, sd, rs, r0, r1, part.data(), r1 - r0);
-    for (int64_t i = 0; i < n; ++i) std::memcpy(yd + i * out + r0, part.data() + i * (r1 - r0), (r1 - r0) * 4);
+    nvfp4_i8_rows(avx2, xq.data(), n, in, cd, sd, rs, r0, r1, yd + r0, out);  // straight into y's columns
   });
   return y;
 }

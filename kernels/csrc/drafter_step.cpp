@@ -335,39 +335,26 @@ DS_AVX2 void softmax_avx2(float* scores, int64_t group, int64_t keys, float* inv
   }
 }
 
-// count values of a cache as float32: the cache itself (float32) or `wide`, widened into it
-// (bf16). The next count values are asked for from memory meanwhile (a long context's keys and
-// values stream from memory at every step; the prefetchers alone left the loop waiting).
-template <typename T>
-DS_AVX2 inline void prefetch_next(const T* src, int64_t count) {
+// The next count floats after src asked for from memory (a long context's keys and values
+// stream from memory at every step; the prefetchers alone left the loop waiting).
+DS_AVX2 inline void prefetch_next(const float* src, int64_t count) {
   const char* next = reinterpret_cast<const char*>(src + count);
-  for (int64_t b = 0; b < count * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-}
-DS_AVX2 inline const float* widened(const float* src, int64_t count, float*) {
-  prefetch_next(src, count);
-  return src;
-}
-DS_AVX2 inline const float* widened(const uint16_t* src, int64_t count, float* wide) {
-  prefetch_next(src, count);
-  for (int64_t e = 0; e < count; e += 8) _mm256_storeu_ps(wide + e, load8(src + e));
-  return wide;
+  for (int64_t b = 0; b < count * static_cast<int64_t>(sizeof(float)); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
 }
 
-// Head size d = 8 P (64, 128) known at compile time. Keys and values go 32 at a time: a bf16
-// chunk is widened once into an L1 copy that every query head of the group reads (the float
-// loop above widens each key again for each value pass, and runs one chain of dependent FMAs per
-// score). Each head's scores take 4 keys' chains side by side, summed by one hadd tree; each
-// head's output sums stay in registers over a chunk. A key not seen (valid[j] == 0) gets -inf,
-// so a weight of 0.
-template <typename T, int P>
-DS_AVX2 void attend_avx2_fixed(const float* q, int64_t group, const T* K, const T* V, int64_t keys, const bool* valid,
-                               float* scores, float* out) {
+// Head size d = 8 P (64, 128), a float32 cache. Keys and values go 32 at a time, every query
+// head of the group reading a chunk while it is in L1 (the next chunk prefetched meanwhile); each
+// head's scores take 4 keys' chains side by side, summed by one hadd tree (the loop for any d runs
+// one chain of dependent FMAs per score); each head's output sums stay in registers over a chunk.
+// A key not seen (valid[j] == 0) gets -inf, so a weight of 0.
+template <int P>
+DS_AVX2 void attend_avx2_f32(const float* q, int64_t group, const float* K, const float* V, int64_t keys,
+                             const bool* valid, float* scores, float* out) {
   constexpr int64_t D = 8 * P, kChunk = 32, H = P > 8 ? 8 : P;  // H: output parts in registers at a time
-  alignas(32) float wide[kChunk * D];
-  auto rows = [&](const T* src, int64_t count) { return widened(src, count * D, wide); };
   for (int64_t j0 = 0; j0 < keys; j0 += kChunk) {
     const int64_t m = std::min(kChunk, keys - j0);
-    const float* k = rows(K + j0 * D, m);
+    const float* k = K + j0 * D;
+    prefetch_next(k, m * D);
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = q + g * D;
       float* s = scores + g * keys + j0;
@@ -401,14 +388,13 @@ DS_AVX2 void attend_avx2_fixed(const float* q, int64_t group, const T* K, const 
       if (!valid[j])
         for (int64_t g = 0; g < group; ++g) scores[g * keys + j] = ninf;
   }
-  float inv[64];
-  std::vector<float> more(group > 64 ? group : 0);
-  float* iv = group > 64 ? more.data() : inv;
-  softmax_avx2(scores, group, keys, iv);
+  std::vector<float> inv(group);
+  softmax_avx2(scores, group, keys, inv.data());
   std::fill(out, out + group * D, 0.f);
   for (int64_t j0 = 0; j0 < keys; j0 += kChunk) {
     const int64_t m = std::min(kChunk, keys - j0);
-    const float* v = rows(V + j0 * D, m);
+    const float* v = V + j0 * D;
+    prefetch_next(v, m * D);
     for (int64_t g = 0; g < group; ++g) {
       const float* p = scores + g * keys + j0;
       for (int c0 = 0; c0 < P; c0 += H) {
@@ -425,7 +411,7 @@ DS_AVX2 void attend_avx2_fixed(const float* q, int64_t group, const T* K, const 
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    const __m256 r = _mm256_set1_ps(iv[g]);
+    const __m256 r = _mm256_set1_ps(inv[g]);
     float* o = out + g * D;
     for (int c = 0; c < P; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(o + 8 * c), r));
   }
@@ -576,9 +562,10 @@ void attend(const float* q, int64_t group, const T* K, const T* V, int64_t keys,
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (width == 8 && d == 64) return attend_avx2_bf16<8>(q, group, K, V, keys, valid, scores, out);
     if (width == 8 && d == 128) return attend_avx2_bf16<16>(q, group, K, V, keys, valid, scores, out);
+  } else {
+    if (width == 8 && d == 64) return attend_avx2_f32<8>(q, group, K, V, keys, valid, scores, out);
+    if (width == 8 && d == 128) return attend_avx2_f32<16>(q, group, K, V, keys, valid, scores, out);
   }
-  if (width == 8 && d == 64) return attend_avx2_fixed<T, 8>(q, group, K, V, keys, valid, scores, out);
-  if (width == 8 && d == 128) return attend_avx2_fixed<T, 16>(q, group, K, V, keys, valid, scores, out);
   if (width >= 8 && d % 8 == 0 && d <= kMaxD) return attend_avx2(q, group, K, V, keys, d, valid, scores, out);
 #endif
   attend_scalar(q, group, K, V, keys, d, valid, scores, out);

@@ -305,7 +305,7 @@ HR_AVX2 void nvfp4_i8_rows_avx2(const uint8_t* xq, int64_t n, int64_t in, const 
   const int64_t half = in / 2, nb = in / kGroup, xbytes = i8_groups(in) * kI8GroupBytes;
   const int64_t ahead = prefetch_ahead_bytes();
   int64_t r = r0;
-  for (; r + 2 <= r1; r += 2) {  // two weight rows at a time: x loaded once for both
+  for (; r + 2 <= r1; r += 2) {  // two weight rows at a time (their scales adjacent): x loaded once for both
     const uint8_t* cr[2] = {codes + r * half, codes + (r + 1) * half};
     const uint8_t* sr[2] = {scales + r * nb, scales + (r + 1) * nb};
     const float rs[2] = {row_scale[r] * 0.5f, row_scale[r + 1] * 0.5f};
